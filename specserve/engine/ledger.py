@@ -1,0 +1,192 @@
+"""The output ledger: turns a verified step into appended tokens, stop decisions, a committed KV
+ledger and per-token outputs (DESIGN.md, process_outputs + build_request_outputs)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from specserve.engine.outputs import LOGPROB_FLOOR, Logprob, OutputPool, TokenOutput
+from specserve.engine.scheduler import Scheduler, StepBatch
+from specserve.engine.sequence import FinishReason, Sequence
+
+
+class HostStepResult(NamedTuple):
+    """The verifier's output, on the host. Rows are the verify layout's (sampling requests only,
+    in batch order); R = number of sampling requests."""
+
+    verified_token_ids: list[int]  # [total_q], -1 sentinel
+    sampled_token_ids: list[int]  # [R]
+    num_accepted: list[int]  # [R]
+    token_logprobs: list[float] | None  # [total_q] logprob of the token emitted at each row
+    token_ranks: list[int] | None  # [total_q]
+    top_ids: list[list[int]] | None  # [total_q][n]
+    top_logprobs: list[list[float]] | None  # [total_q][n]
+    draft_confidences: list[list[float]] | None = None  # [R][drafts]
+
+
+@dataclass
+class SpecCounters:
+    """Engine-wide speculation counters; only tokens actually emitted count as accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verified_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted_emitted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted_emitted
+        grow = num_drafts - len(self.verified_per_position)
+        if grow > 0:
+            self.verified_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for j in range(num_drafts):
+            self.verified_per_position[j] += 1
+        for j in range(num_accepted_emitted):
+            self.accepted_per_position[j] += 1
+
+
+def _clamp(lp: float) -> float:
+    return lp if lp > LOGPROB_FLOOR and not math.isnan(lp) else LOGPROB_FLOOR
+
+
+def check_stop(seq: Sequence, token_id: int, eos_ids: frozenset[int], max_model_len: int):
+    """Stop decision after appending one token. Returns (reason, stop_reason) or None."""
+    p = seq.params
+    n_out = seq.num_output_tokens
+    match = seq.detokenizer.append(token_id) if seq.detokenizer is not None else None
+    # the first min_tokens tokens never stop (the sampler also masks EOS/stop ids for them)
+    if n_out > p.min_tokens:
+        if not p.ignore_eos and token_id in eos_ids:
+            return FinishReason.STOP, None
+        if token_id in p.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if match is not None:
+            return FinishReason.STOP, match.stop_str
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return FinishReason.LENGTH, None
+    if seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None
+
+
+class Ledger:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pool: OutputPool,
+        eos_ids: frozenset[int],
+        tokenizer=None,
+    ) -> None:
+        self.sched = scheduler
+        self.pool = pool
+        self.eos_ids = eos_ids
+        self.tokenizer = tokenizer
+        self.spec = SpecCounters()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def process_outputs(self, batch: StepBatch, res: HostStepResult | None) -> list[TokenOutput]:
+        """Append tokens one at a time with a stop check after each; commit the KV ledger; free
+        finished requests; one pooled output per emitted token, finish_reason on the last."""
+        step = batch.step
+        outputs: list[TokenOutput] = []
+        now = time.perf_counter()
+        r = 0  # index among sampling requests
+        row = 0  # first row of request r in the verify layout
+        for seq, qlen, nd, samples in zip(batch.seqs, batch.query_lens, batch.num_drafts, batch.samples):
+            if not samples:  # mid-prefill chunk: all rows kept, nothing emitted
+                seq.commit_processed_tokens(qlen)
+                self._register_blocks(seq)
+                continue
+            assert res is not None
+            seqlen_q = nd + 1
+            accepted = res.num_accepted[r]
+            tokens = res.verified_token_ids[row : row + accepted]
+            tokens.append(res.sampled_token_ids[r])
+            pushed, stop = 0, None
+            for j, tok in enumerate(tokens):
+                seq.token_ids.append(tok)
+                pushed += 1
+                outputs.append(self._token_output(seq, tok, row + j, res, step))
+                stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
+                if stop is not None:
+                    break
+            # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
+            seq.commit_processed_tokens(qlen - nd + accepted)
+            if nd > accepted:
+                self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
+            self.num_generated_tokens += pushed
+            emitted_drafts = min(accepted, pushed)
+            seq.spec.num_drafts += nd > 0
+            seq.spec.num_draft_tokens += nd
+            seq.spec.num_accepted_tokens += emitted_drafts
+            self.spec.record(nd, emitted_drafts)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            anchor = outputs[-1]
+            anchor.is_anchor = True
+            anchor.draft_tok, anchor.accept_tok = nd, emitted_drafts
+            if res.draft_confidences is not None:
+                anchor.draft_confidences = res.draft_confidences[r]
+            if stop is not None:
+                self.sched.finish(seq, stop[0])
+                seq.stop_reason = stop[1]
+                self._finish_output(seq, anchor)
+            else:
+                self._register_blocks(seq)
+            r += 1
+            row += seqlen_q
+        return outputs
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        self.sched.bm.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+
+    def _token_output(
+        self, seq: Sequence, tok: int, row: int, res: HostStepResult, step: int
+    ) -> TokenOutput:
+        out = self.pool.acquire(step)
+        out.request_id = seq.request_id
+        out.token_id = tok
+        out.index = seq.num_output_tokens - 1
+        out.num_output_tokens = seq.num_output_tokens
+        if res.token_logprobs is not None:
+            out.logprob = _clamp(res.token_logprobs[row])
+            if seq.params.logprobs is not None:
+                top = {tok: Logprob(out.logprob, res.token_ranks[row], self._decode(tok))}
+                n = seq.params.logprobs
+                for rank, (tid, lp) in enumerate(zip(res.top_ids[row][:n], res.top_logprobs[row][:n])):
+                    if tid not in top:
+                        top[tid] = Logprob(_clamp(lp), rank + 1, self._decode(tid))
+                out.top_logprobs = top
+        if seq.detokenizer is not None:
+            out.text = seq.detokenizer.take_delta()
+        return out
+
+    def _decode(self, tok: int) -> str | None:
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+
+    def _finish_output(self, seq: Sequence, out: TokenOutput) -> None:
+        if seq.detokenizer is not None:
+            out.text += seq.detokenizer.flush()
+        out.finished = True
+        out.finish_reason = seq.finish_reason.value
+        out.stop_reason = seq.stop_reason
+
+    def terminal_output(self, seq: Sequence, step: int) -> TokenOutput:
+        """The single output of a request that ends without a token (abort, prompt too long)."""
+        out = self.pool.acquire(step)
+        out.request_id = seq.request_id
+        out.token_id = -1
+        out.index = seq.num_output_tokens
+        out.num_output_tokens = seq.num_output_tokens
+        out.is_anchor = True
+        self._finish_output(seq, out)
+        return out

@@ -1,0 +1,213 @@
+"""The engine: one step = schedule -> forward -> verify -> process_outputs (the ledger)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.ledger import Ledger
+from specserve.engine.outputs import OutputPool, TokenOutput
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import FinishReason, Sequence
+from specserve.model.loader import load_model
+from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
+from specserve.runner.step_sampler import StepSampler
+from specserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of {sorted(table)}", "dtype")
+    return table[dtype]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    pool_free: int
+    pool_capacity: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, progress=progress)
+        self.model_name = loaded.name
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            8192 if self.device.type == "cuda" else 2048
+        )
+        if self.max_num_batched_tokens < config.max_num_seqs * (1 + k):
+            self.max_num_batched_tokens = config.max_num_seqs * (1 + k)
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(
+            loaded.model,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+        )
+        eos = frozenset(mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else []))
+        self.eos_ids = eos
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+        )
+        # two steps of outputs live at once, each at most every row of a step plus the requests
+        # that end without a token in it (aborts, prompt too long)
+        cap = config.output_pool_capacity or 2 * (self.max_num_batched_tokens + 4 * config.max_num_seqs)
+        self.pool = OutputPool(cap)
+        self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
+        self.sampler = StepSampler(self.device, eos)
+        self.requests: dict[str, Sequence] = {}
+        self._terminal: list[Sequence] = []  # ended without a token; reported next step
+        self._rng = random.Random(config.seed)
+        self._next_id = 0
+        self.num_steps = 0
+
+    def _num_kv_blocks(self) -> int:
+        mc, cfg = self.model_config, self.config
+        per_block = kv_bytes_per_block(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.block_size, self.dtype
+        )
+        if cfg.kv_cache_memory_gb is not None:
+            budget = int(cfg.kv_cache_memory_gb * 2**30)
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85)
+        else:
+            budget = 2 * 2**30
+        useful = cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1) + 1
+        return max(2, min(budget // per_block, useful))
+
+    # -- requests ---------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Validate and queue. A user error raises InvalidRequestError before anything is queued,
+        so no other request is touched."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(x) for x in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(i < 0 or i >= vocab for i in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, text, ids, params, seed)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        if seq.is_finished:  # prompt too long: finish_reason prompt_length_exceeded
+            self._terminal.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._terminal.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        batch = self.scheduler.schedule()
+        self.pool.release_through(batch.step - 2)
+        outputs: list[TokenOutput] = []
+        while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
+            outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
+        if not batch.is_empty:
+            self.num_steps += 1
+            inputs = self.runner.prepare(batch)
+            logits = self.runner.forward(inputs)
+            seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
+            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+            host = self.sampler.run(logits, seqs, drafts)[1] if seqs else None
+            outputs.extend(self.ledger.process_outputs(batch, host))
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return outputs
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        if not self.requests:
+            assert self.block_manager.num_used_blocks == 0
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            bm.usage(),
+            bm.num_free_blocks,
+            bm.num_usable_blocks,
+            self.pool.num_free,
+            self.pool.capacity,
+        )

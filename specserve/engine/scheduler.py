@@ -1,0 +1,157 @@
+"""Continuous batching: admit and chunk prefills, grow KV, preempt by recompute, build a step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass
+class StepBatch:
+    """What one step computes. Request i feeds query_lens[i] rows: prompt chunk tokens, or the
+    last token (the anchor row) followed by its drafts. Requests with samples[i] produce logits for
+    their last 1 + num_drafts[i] rows (the verify layout); the others are mid-prefill."""
+
+    step: int
+    seqs: list[Sequence]
+    query_lens: list[int]
+    num_drafts: list[int]
+    samples: list[bool]
+    drafts: list[list[int]]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.ignored: list[Sequence] = []  # finished before running; reported in the next outputs
+        self.step_id = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        too_long = seq.num_prompt_tokens > self.max_model_len
+        never_fits = self.bm.blocks_needed(seq.num_prompt_tokens + 1) > self.bm.num_usable_blocks
+        if too_long or never_fits:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.PROMPT_LENGTH_EXCEEDED
+            seq.finished_time = time.perf_counter()
+            self.ignored.append(seq)
+            return
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.ignored)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Stop a request now: free its KV blocks (its draft slot is freed by the engine)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.perf_counter()
+        self.bm.free(seq.block_table)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV; prompt + emitted tokens are prefilled again."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> StepBatch:
+        """Running requests first (decode/verify rows, then their remaining prefill chunks), then
+        new prefills while the token budget, max_num_seqs and free blocks allow."""
+        self.step_id += 1
+        batch = StepBatch(self.step_id, [], [], [], [], [])
+        budget = self.max_num_batched_tokens
+        drafts = drafts or {}
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            seq = self.running[idx]
+            remaining = seq.num_uncomputed_tokens
+            d: list[int] = drafts.get(seq.request_id, []) if remaining == 1 else []
+            # drafts never push the sequence past max_model_len or the budget
+            d = d[: max(0, min(budget - 1, self.max_model_len - seq.num_tokens))]
+            rows = min(remaining, budget) if not d else 1 + len(d)
+            while not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: nothing later in the list is left either
+            self._add_to_batch(batch, seq, rows, d)
+            budget -= rows
+            idx += 1
+
+        if not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if seq.num_computed_tokens == 0 and not seq.block_table.blocks:
+                    blocks, hashes = self.bm.match_prefix(seq.token_ids)
+                    rows = min(seq.num_tokens - len(blocks) * self.bm.block_size, budget)
+                    if not self._fits(seq, blocks, rows):
+                        break
+                    self.bm.take_cached(seq.block_table, blocks, hashes)
+                    seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.bm.block_size
+                else:
+                    rows = min(seq.num_uncomputed_tokens, budget)
+                    if not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
+                        break
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                self._add_to_batch(batch, seq, rows, [])
+                budget -= rows
+        return batch
+
+    def _fits(self, seq: Sequence, cached: list[int], rows: int) -> bool:
+        cached_free = sum(1 for b in cached if self.bm.blocks[b].ref_count == 0)
+        new_blocks = self.bm.blocks_needed(len(cached) * self.bm.block_size + rows) - len(cached)
+        return new_blocks + cached_free <= self.bm.num_free_blocks
+
+    def _add_to_batch(self, batch: StepBatch, seq: Sequence, rows: int, drafts: list[int]) -> None:
+        self.bm.allocate(seq.block_table, seq.num_computed_tokens + rows)
+        samples = seq.num_computed_tokens + rows - len(drafts) == seq.num_tokens
+        seq.advance_optimistically(rows)
+        batch.seqs.append(seq)
+        batch.query_lens.append(rows)
+        batch.num_drafts.append(len(drafts))
+        batch.samples.append(samples)
+        batch.drafts.append(drafts)
+
+    def check_invariants(self) -> None:
+        self.bm.check_invariants()
+        if not self.running and not self.waiting:
+            assert self.bm.num_used_blocks == 0, "idle engine holds KV blocks"

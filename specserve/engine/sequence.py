@@ -1,0 +1,93 @@
+"""One request's state: tokens, the KV ledger, stopping state and metrics."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specserve.engine.block_manager import BlockTable
+from specserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PROMPT_LENGTH_EXCEEDED = "prompt_length_exceeded"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request (only tokens actually emitted count as accepted)."""
+
+    num_drafts: int = 0  # steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # effective RNG seed (params.seed or one drawn at arrival)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)
+    status: SeqStatus = SeqStatus.WAITING
+    # KV ledger: positions [0, num_computed_tokens) have valid KV. advance_optimistically() moves it
+    # forward by the rows scheduled in a step; commit_processed_tokens() sets what was kept.
+    num_computed_tokens: int = 0
+    num_computed_before_step: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_table: BlockTable = field(default_factory=BlockTable)
+    slot: int = 0  # draft slot; 0 = none (slot 0 is padding and never handed out)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is still to be written; the last one is fed as this step's anchor row."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def advance_optimistically(self, num_rows: int) -> None:
+        self.num_computed_before_step = self.num_computed_tokens
+        self.num_computed_tokens += num_rows
+
+    def commit_processed_tokens(self, num_kept_rows: int) -> None:
+        self.num_computed_tokens = self.num_computed_before_step + num_kept_rows

@@ -1,0 +1,200 @@
+"""The offline API, vLLM-shaped: LLM(...).generate / .chat / .stream / .abort."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
+from specserve.sampling_params import InvalidRequestError, SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: dict | str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        cfg = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=SpeculativeConfig.parse(speculative_config),
+            seed=seed,
+        )
+        for key, value in kwargs.items():
+            if not hasattr(cfg, key):
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+            setattr(cfg, key, value)
+        self.engine = LLMEngine(cfg, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+
+    # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _normalize(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts", "sampling_params")
+        return params
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        # validate everything first: a bad prompt raises before any request is queued
+        for p, sp in zip(prompts, params):
+            sp.validate()
+            if (isinstance(p, str) and p == "") or (not isinstance(p, str) and len(p) == 0):
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+        return [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+
+    # -- API --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        plist = self._normalize(prompts)
+        params = self._params_list(sampling_params, len(plist))
+        ids = self._add_all(plist, params)
+        accs = {
+            rid: OutputAccumulator(
+                rid,
+                seq.prompt,
+                seq.prompt_token_ids,
+                seq.params.logprobs is not None,
+                RequestMetrics(seq.arrival_time, num_prompt_tokens=seq.num_prompt_tokens),
+            )
+            for rid in ids
+            for seq in [self.engine.requests[rid]]
+        }
+        seqs = {rid: self.engine.requests[rid] for rid in ids}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    acc = accs.get(out.request_id)
+                    if acc is None:
+                        continue
+                    acc.add(out)
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        results = []
+        for rid in ids:
+            seq = seqs[rid]
+            m = accs[rid].metrics
+            m.first_token_time, m.finished_time = seq.first_token_time, seq.finished_time
+            m.num_output_tokens = seq.num_output_tokens
+            m.num_cached_tokens = seq.num_cached_tokens
+            m.num_preemptions = seq.num_preemptions
+            m.num_drafts = seq.spec.num_drafts
+            m.num_draft_tokens = seq.spec.num_draft_tokens
+            m.num_accepted_tokens = seq.spec.num_accepted_tokens
+            results.append(accs[rid].result())
+        return results
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template", "messages")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm)
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[TokenOutput]:
+        """Yield the per-token outputs of all these requests as they land (copies: keep them
+        as long as you like). Closing the iterator aborts what is unfinished."""
+        plist = self._normalize(prompts)
+        ids = self._add_all(plist, self._params_list(sampling_params, len(plist)))
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out.clone()
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
+            self._drain_terminal()
+
+    def _drain_terminal(self) -> None:
+        # report aborted requests now so the engine is idle (blocks free, pool full) afterwards
+        while self.engine._terminal:
+            self.engine.step()
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.engine.abort(rid)
+
+    def get_metrics(self) -> dict[str, Any]:
+        led = self.engine.ledger
+        spec = led.spec
+        st = self.engine.stats()
+        return {
+            "num_steps": self.engine.num_steps,
+            "generated_tokens": led.num_generated_tokens,
+            "num_running": st.num_running,
+            "num_waiting": st.num_waiting,
+            "kv_usage": st.kv_usage,
+            "spec_drafts": spec.num_drafts,
+            "spec_draft_tokens": spec.num_draft_tokens,
+            "spec_accepted_tokens": spec.num_accepted_tokens,
+            "spec_acceptance_per_position": [
+                a / v if v else 0.0 for a, v in zip(spec.accepted_per_position, spec.verified_per_position)
+            ],
+            "spec_mean_acceptance_length": (
+                1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 1.0
+            ),
+        }

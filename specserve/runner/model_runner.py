@@ -1,0 +1,101 @@
+"""Runs one step's forward: builds the flat rows and the ForwardContext, owns the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from specserve.engine.scheduler import StepBatch
+from specserve.model.forward_context import ForwardContext, KVCache
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    ctx: ForwardContext
+    logit_rows: torch.Tensor  # [total_q] int64, rows of the verify layout inside the T rows
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        bs = self.block_size
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        logit_rows: list[np.ndarray] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        row = 0
+        for seq, qlen, d, samples in zip(batch.seqs, batch.query_lens, batch.drafts, batch.samples):
+            start = seq.num_computed_before_step
+            toks = seq.token_ids[start : start + qlen - len(d)]
+            ids.append(np.asarray(toks + d if d else toks, dtype=np.int64))
+            p = np.arange(start, start + qlen, dtype=np.int64)
+            pos.append(p)
+            table = np.asarray(seq.block_table.blocks, dtype=np.int64)
+            slots.append(table[p // bs] * bs + p % bs)
+            if samples:
+                logit_rows.append(np.arange(row + qlen - 1 - len(d), row + qlen, dtype=np.int64))
+            context_lens.append(start + qlen)
+            tables.append(seq.block_table.blocks)
+            row += qlen
+        max_blocks = max(len(t) for t in tables)
+        bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        qlens = batch.query_lens
+        cu = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=cu[1:])
+        dev = self.device
+
+        def t(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(dev, non_blocking=True)
+
+        ctx = ForwardContext(
+            query_lens=t(np.asarray(qlens, dtype=np.int32)),
+            cu_query_lens=t(cu),
+            context_lens=t(np.asarray(context_lens, dtype=np.int32)),
+            block_tables=t(bt),
+            slot_mapping=t(np.concatenate(slots)),
+            max_query_len=max(qlens),
+            max_context_len=max(context_lens),
+            query_lens_cpu=list(qlens),
+            context_lens_cpu=context_lens,
+        )
+        rows = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
+        return StepInputs(t(np.concatenate(ids)), t(np.concatenate(pos)), ctx, t(rows))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [total_q, V] of the verify layout's rows (float32)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.ctx)
+        if inputs.logit_rows.numel() == 0:
+            return hidden.new_zeros((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
