@@ -1,0 +1,34 @@
+# Two entry points: `make run` (install + generate on the default model), `make test` (install + tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a haiku about speculative decoding.
+
+.PHONY: install run test lint format bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch, pinned (an unpinned torch pulls several GB of CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+run: install
+	$(VENV)/bin/specserve generate "$(PROMPT)" --max-tokens 128
+
+lint: install
+	$(VENV)/bin/ruff check specserve tests
+	$(VENV)/bin/ruff format --check specserve tests
+
+format: install
+	$(VENV)/bin/ruff format specserve tests
+	$(VENV)/bin/ruff check --fix specserve tests
+
+# pytest exits 5 when no test ran: that fails the target like any other failure
+test: install lint
+	$(VENV)/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build *.egg-info

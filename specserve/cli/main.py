@@ -1,0 +1,181 @@
+"""`specserve` command line: generate, chat, bench, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_config=args.speculative_config,
+        seed=args.seed,
+    )
+
+
+def sampling_params(args: argparse.Namespace):
+    from specserve import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _print_spec_metrics(metrics: dict) -> None:
+    if metrics.get("spec_drafts"):
+        acc = ", ".join(f"{a:.2f}" for a in metrics["spec_acceptance_per_position"])
+        print(
+            f"[speculation] drafts {metrics['spec_drafts']}, draft tokens {metrics['spec_draft_tokens']}, "
+            f"accepted {metrics['spec_accepted_tokens']}, mean acceptance length "
+            f"{metrics['spec_mean_acceptance_length']:.2f}, per position [{acc}]",
+            file=sys.stderr,
+        )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve import LLM
+
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    elif args.prompt:
+        prompts = [args.prompt]
+    else:
+        print("error: give a prompt or --file", file=sys.stderr)
+        return 2
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    use_template = not args.no_chat_template and getattr(llm.tokenizer, "chat_template", None)
+    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p for p in prompts]
+    t0 = time.perf_counter()
+    ntok = 0
+    if len(inputs) == 1:
+        for out in llm.stream(inputs, params):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            ntok += out.token_id >= 0
+            if out.finished:
+                print(f"\n[finish_reason={out.finish_reason}]", file=sys.stderr)
+    else:
+        for i, res in enumerate(llm.generate(inputs, params)):
+            print(f"=== {i}: {prompts[i]!r}\n{res.outputs[0].text}\n[finish_reason={res.outputs[0].finish_reason}]")
+            ntok += len(res.outputs[0].token_ids)
+    dt = time.perf_counter() - t0
+    print(f"[{ntok} tokens in {dt:.2f} s, {ntok / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    _print_spec_metrics(llm.get_metrics())
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from specserve import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("specserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for out in llm.stream([llm.apply_chat_template(messages)], params):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            reply.append(out.text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a prompt (or a file, one prompt a line)")
+    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("--file", default=None)
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive streaming chat")
+    c.add_argument("--system", default=None)
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    try:
+        from specserve.cli.bench import add_bench_parser
+
+        add_bench_parser(sub)
+    except ImportError:  # pragma: no cover - bench extras missing
+        pass
+    try:
+        from specserve.cli.serve import add_serve_parser
+
+        add_serve_parser(sub)
+    except ImportError:  # pragma: no cover - server extras missing
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specserve.model.errors import ModelLoadError
+    from specserve.sampling_params import InvalidRequestError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ModelLoadError, InvalidRequestError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
