@@ -155,6 +155,7 @@ class LLMEngine:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
+                params.min_tokens,
             )
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -1,0 +1,277 @@
+"""Reference paged attention in plain torch: the CPU path, and the oracle for GPU kernels.
+
+Layout (see ForwardContext): the flat batch holds each request's rows back to back; row j of
+request i is KV position context_lens[i] - query_lens[i] + j, and sees positions <= itself.
+
+Strategy, chosen for a small CPU where every op costs host time:
+  * requests with few rows (decode: 1, verify: 1 + drafts) go through ONE padded gather + SDPA;
+  * requests with long rows (prefill chunks) run one SDPA each, padding them would waste work;
+  * the gather indices and masks depend only on the context, so they are built once per forward
+    and reused by every layer (cached on the ctx object).
+Shapes come from the host lists on ctx, so nothing here waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model.forward_context import ForwardContext, KVCache
+
+# Requests with at most this many query rows are batched into the padded path. Above it a
+# request's own SDPA is cheaper than padding every short request up to its length.
+SHORT_QUERY_MAX = 16
+
+_PLAN_ATTR = "_torch_attention_plan"
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cache: KVCache,
+    slot_mapping: torch.Tensor,  # [T] int64, negative = padding row
+    all_valid: bool | None = None,
+) -> None:
+    """Scatter the rows' K/V into their cache slots; padding rows write nothing.
+
+    `all_valid=True` lets a caller that already knows there is no padding skip the check (the
+    model computes it once per forward instead of once per layer).
+    """
+    num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
+    k_flat = cache.k.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+    v_flat = cache.v.view(-1, num_kv_heads, head_dim)
+    if all_valid is None:
+        all_valid = slots_all_valid(slot_mapping)
+    if all_valid:
+        k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+        return
+    if slot_mapping.device.type == "cpu":
+        # Reading the mask on CPU costs no device sync.
+        keep = slot_mapping >= 0
+        k_flat.index_copy_(0, slot_mapping[keep], k[keep].to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping[keep], v[keep].to(v_flat.dtype))
+        return
+    # Sync-free on devices: padding rows repeat the write of the first real row (same slot, same
+    # value), so the duplicate index is harmless. With no real row they rewrite slot 0 unchanged.
+    keep = slot_mapping >= 0  # [T]
+    first = torch.argmax(keep.to(torch.int8))  # first real row, or 0 if none
+    has_real = keep[first]
+    slot = torch.where(keep, slot_mapping, slot_mapping[first].clamp_min(0))
+    for src, dst in ((k, k_flat), (v, v_flat)):
+        src = src.to(dst.dtype)
+        fill = torch.where(has_real, src[first], dst[0])  # [Hkv, D]
+        dst.index_copy_(0, slot, torch.where(keep[:, None, None], src, fill))
+
+
+def slots_all_valid(slot_mapping: torch.Tensor) -> bool:
+    """True when no row is padding. Free on CPU; on a device it would sync, so say False."""
+    if slot_mapping.device.type != "cpu":
+        return False
+    return bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
+
+
+@dataclass
+class _ShortGroup:
+    """Requests with few rows, padded to [B, Qm] queries and [B, Lm] keys."""
+
+    num_reqs: int
+    max_q: int
+    q_index: torch.Tensor | None  # [B * Qm] rows of q to gather; None = q[:B*Qm] as is
+    kv_slots: torch.Tensor  # [B * Lm] cache slots; positions past a context repeat its slot 0
+    max_kv: int
+    mask: torch.Tensor | None  # [B, 1, Qm, Lm] bool, True = attend; None = attend to all
+    out_src: torch.Tensor | None  # [N] rows of the padded output that are real
+    out_dst: torch.Tensor | None  # [N] where they go in the flat output; None = identity
+    # mask with each row repeated G times (GQA folding), built on first use, shared by layers
+    folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _LongRequest:
+    """One request with many rows: its own SDPA over its whole context."""
+
+    row_start: int
+    row_end: int
+    kv_slots: torch.Tensor  # [context_len] cache slots
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None = square causal
+
+
+@dataclass
+class _Plan:
+    num_rows: int  # rows that belong to a request; rows after them are padding
+    short: _ShortGroup | None
+    long: list[_LongRequest]
+
+
+def _host_lens(ctx: ForwardContext) -> tuple[list[int], list[int]]:
+    q = ctx.query_lens_cpu if ctx.query_lens_cpu is not None else ctx.query_lens.tolist()
+    c = ctx.context_lens_cpu if ctx.context_lens_cpu is not None else ctx.context_lens.tolist()
+    return q, c
+
+
+def _slots_for(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    positions: torch.Tensor,  # [L] int64
+    block_size: int,
+) -> torch.Tensor:  # [B, L] int64
+    blocks = block_tables[:, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
+    q_lens, c_lens = _host_lens(ctx)
+    starts = [0] * len(q_lens)
+    for i in range(1, len(q_lens)):
+        starts[i] = starts[i - 1] + q_lens[i - 1]
+    num_rows = sum(q_lens)
+    short_ids = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY_MAX]
+    long_ids = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY_MAX]
+    block_tables = ctx.block_tables
+
+    long: list[_LongRequest] = []
+    for i in long_ids:
+        q_len, c_len = q_lens[i], c_lens[i]
+        pos = torch.arange(c_len, device=device)
+        slots = _slots_for(block_tables[i : i + 1], pos, block_size)[0]
+        mask = None
+        if q_len != c_len:
+            # Row j is position c_len - q_len + j and sees keys up to it.
+            q_pos = torch.arange(c_len - q_len, c_len, device=device)
+            mask = pos[None, :] <= q_pos[:, None]
+        long.append(_LongRequest(starts[i], starts[i] + q_len, slots, mask))
+
+    short = None
+    if short_ids:
+        b = len(short_ids)
+        qm = max(q_lens[i] for i in short_ids)
+        lm = max(c_lens[i] for i in short_ids)
+        sq = [q_lens[i] for i in short_ids]
+        sc = [c_lens[i] for i in short_ids]
+        uniform = all(q == qm for q in sq)
+        contiguous = all(starts[i] == n * qm for n, i in enumerate(short_ids))
+        as_is = uniform and contiguous
+
+        q_index = out_src = out_dst = None
+        if not as_is:
+            # Padded (request, j) pairs gather row 0 of their request; their outputs are dropped.
+            q_rows, src, dst = [], [], []
+            for n, i in enumerate(short_ids):
+                for j in range(qm):
+                    q_rows.append(starts[i] + min(j, q_lens[i] - 1))
+                    if j < q_lens[i]:
+                        src.append(n * qm + j)
+                        dst.append(starts[i] + j)
+            q_index = torch.tensor(q_rows, dtype=torch.long, device=device)
+            out_src = torch.tensor(src, dtype=torch.long, device=device)
+            out_dst = torch.tensor(dst, dtype=torch.long, device=device)
+
+        ids = torch.tensor(short_ids, dtype=torch.long, device=device)
+        ctx_len = torch.tensor(sc, dtype=torch.long, device=device)  # [B]
+        pos = torch.arange(lm, device=device)  # [Lm]
+        slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
+        # Keys past a request's context repeat its first slot: always written, so never garbage
+        # (NaN in unwritten cache memory would poison the masked product).
+        slots = torch.where(pos[None, :] < ctx_len[:, None], slots, slots[:, :1])
+
+        mask = None
+        single_full = all(q == 1 for q in sq) and all(c == lm for c in sc)
+        if not single_full:
+            q_len = torch.tensor(sq, dtype=torch.long, device=device)
+            j = torch.arange(qm, device=device)
+            # Padded rows (j >= q_len) act as the last real row: finite softmax, output dropped.
+            q_pos = (
+                ctx_len[:, None] - q_len[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
+            )
+            mask = (pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Qm, Lm]
+        short = _ShortGroup(b, qm, q_index, slots.reshape(-1), lm, mask, out_src, out_dst)
+    return _Plan(num_rows, short, long)
+
+
+def _get_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
+    plan = ctx.__dict__.get(_PLAN_ATTR)
+    if plan is None:
+        plan = _build_plan(ctx, block_size, device)
+        ctx.__dict__[_PLAN_ATTR] = plan
+    return plan
+
+
+def _gather_kv(
+    cache: KVCache, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2x [N, Hkv, D]
+    hkv, d = cache.k.shape[2], cache.k.shape[3]
+    k = cache.k.view(-1, hkv, d).index_select(0, slots)
+    v = cache.v.view(-1, hkv, d).index_select(0, slots)
+    return k, v
+
+
+def _run_short(
+    q: torch.Tensor, cache: KVCache, g: _ShortGroup, scale: float
+) -> torch.Tensor:  # [B * Qm, H, D]
+    _, h, d = q.shape
+    hkv = cache.k.shape[2]
+    group = h // hkv
+    b, qm, lm = g.num_reqs, g.max_q, g.max_kv
+    qs = q[: b * qm] if g.q_index is None else q.index_select(0, g.q_index)  # [B*Qm, H, D]
+    k, v = _gather_kv(cache, g.kv_slots)  # [B*Lm, Hkv, D]
+    k = k.view(b, lm, hkv, d).transpose(1, 2)  # [B, Hkv, Lm, D]
+    v = v.view(b, lm, hkv, d).transpose(1, 2)
+    # GQA without copying K/V per query head: fold the query heads of one KV head into the query
+    # axis, so rows are (j, g) pairs -> [B, Hkv, Qm * G, D] against [B, Hkv, Lm, D].
+    qs = qs.view(b, qm, hkv, group, d).transpose(1, 2).reshape(b, hkv, qm * group, d)
+    mask = g.mask
+    if mask is not None and group > 1:
+        folded = g.folded_masks.get(group)
+        if folded is None:
+            folded = mask.repeat_interleave(group, dim=2)  # [B, 1, Qm * G, Lm]
+            g.folded_masks[group] = folded
+        mask = folded
+    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    o = o.view(b, hkv, qm, group, d).transpose(1, 2).reshape(b * qm, h, d)
+    return o
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    cache: KVCache,
+    ctx: ForwardContext,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each request's rows over its paged context (GQA: H % Hkv == 0).
+
+    Rows past the last request (padding) come back as zeros.
+    """
+    t, h, d = q.shape
+    hkv = cache.k.shape[2]
+    plan = _get_plan(ctx, cache.block_size, q.device)
+    short = plan.short
+
+    if short is not None and not plan.long and short.out_dst is None and plan.num_rows == t:
+        # Pure decode / uniform verify: the padded output is the answer, no scatter needed.
+        return _run_short(q, cache, short, scale).to(q.dtype)
+
+    out = q.new_zeros(t, h, d)
+    if short is not None:
+        o = _run_short(q, cache, short, scale).to(q.dtype)
+        if short.out_dst is None:
+            out[: o.shape[0]] = o
+        else:
+            out.index_copy_(0, short.out_dst, o.index_select(0, short.out_src))
+    for r in plan.long:
+        k, v = _gather_kv(cache, r.kv_slots)  # [L, Hkv, D]
+        qr = q[r.row_start : r.row_end].transpose(0, 1)[None]  # [1, H, Lq, D]
+        k = k.transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            qr.to(k.dtype),
+            k,
+            v,
+            attn_mask=r.mask,
+            is_causal=r.mask is None,
+            scale=scale,
+            enable_gqa=h != hkv,
+        )  # [1, H, Lq, D]
+        out[r.row_start : r.row_end] = o[0].transpose(0, 1).to(q.dtype)
+    return out
