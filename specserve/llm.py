@@ -116,6 +116,7 @@ class LLM:
             raise
         finally:
             bar.close()
+            self.engine.release_outputs()  # everything was copied into the accumulators
         results = []
         for rid in ids:
             seq = seqs[rid]
@@ -173,6 +174,7 @@ class LLM:
         # report aborted requests now so the engine is idle (blocks free, pool full) afterwards
         while self.engine._terminal:
             self.engine.step()
+        self.engine.release_outputs()  # the consumer got clones
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -196,6 +196,11 @@ class LLMEngine:
             self.check_invariants()
         return outputs
 
+    def release_outputs(self) -> None:
+        """The caller has consumed every output handed out so far (e.g. the engine went idle):
+        return them all to the pool."""
+        self.pool.release_through(self.scheduler.step_id)
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
         if not self.requests:

@@ -11,7 +11,13 @@ from typing import NamedTuple
 import torch
 
 from specserve.ops.random import hashed_uniform
-from specserve.ops.sampling import ACCEPT_SALT, SAMPLE_SALT, SamplingTensors, target_probs
+from specserve.ops.sampling import (
+    ACCEPT_SALT,
+    SAMPLE_SALT,
+    SamplingTensors,
+    sample,
+    target_probs,
+)
 from specserve.spec.layout import RowLayout
 
 
@@ -40,6 +46,12 @@ def prefix_accept(accept: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor
     return accepted, num_accepted
 
 
+def _sample_rows(probs: torch.Tensor, t: SamplingTensors, rows: torch.Tensor) -> torch.Tensor:
+    """Exponential race over probs [R, V] with the RNG keys of the given rows."""
+    e = -torch.log(hashed_uniform(t.seed[rows], t.counter[rows], SAMPLE_SALT, probs.shape[1]))
+    return (probs / e).argmax(dim=-1)
+
+
 def verify(
     logits: torch.Tensor,  # [total_q, V] f32, penalties and masks already applied
     draft_token_ids: torch.Tensor,  # [total_q] int64, the draft each verify row checks
@@ -53,32 +65,30 @@ def verify(
         accepted, num_accepted = prefix_accept(accept, layout)
         final_rows = layout.ftp + num_accepted
         sampled = target[final_rows]
+    elif draft_probs is None:
+        # one-hot q (model-free drafter): draw x_r ~ p_r from the row's own output-token stream
+        # and accept iff x_r == draft. Lossless (x given x != d is exactly norm(max(p - q, 0)))
+        # and a seeded request then emits the very tokens it would emit with speculation off.
+        p = target_probs(logits, t)  # [total_q, V]
+        x = sample(p, t, SAMPLE_SALT)  # [total_q]
+        accepted, num_accepted = prefix_accept(x == draft_token_ids, layout)
+        final_rows = layout.ftp + num_accepted
+        sampled = x[final_rows]
     else:
-        p = target_probs(logits, t)  # [total_q, V]; greedy rows are one-hot at the argmax
+        p = target_probs(logits, t)  # [total_q, V]
         p_draft = p.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)  # [total_q]
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-        else:
-            q_draft = draft_probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
+        q_draft = draft_probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
         u = hashed_uniform(t.seed, t.counter, ACCEPT_SALT, 1).squeeze(1)  # [total_q]
         # accept with probability min(1, p/q): u * q < p (q > 0 for a drafted token)
-        accept = u * q_draft < p_draft
-        accepted, num_accepted = prefix_accept(accept, layout)
+        accepted, num_accepted = prefix_accept(u * q_draft < p_draft, layout)
         final_rows = layout.ftp + num_accepted
         p_final = p[final_rows]  # [R, V]
-        final_is_verify = layout.is_verify[final_rows]  # rejected verify row -> residual
-        if draft_probs is None:
-            q_final = torch.zeros_like(p_final)
-            q_final.scatter_(1, draft_token_ids[final_rows].unsqueeze(1), 1.0)
-        else:
-            q_final = draft_probs[final_rows]
-        residual = (p_final - q_final).clamp_min_(0.0)
-        mass = residual.sum(dim=1, keepdim=True)
+        residual = (p_final - draft_probs[final_rows]).clamp_min_(0.0)
         # p == q leaves no residual mass, but then the row was accepted with probability one
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
-        probs = torch.where(final_is_verify.unsqueeze(1), residual, p_final)
-        # exponential race: argmax p / E, E = -log u; zero-probability tokens never win
-        e = -torch.log(hashed_uniform(t.seed[final_rows], t.counter[final_rows], SAMPLE_SALT, probs.shape[1]))
-        sampled = (probs / e).argmax(dim=-1)
+        has_mass = residual.sum(dim=1, keepdim=True) > 0
+        final_is_verify = layout.is_verify[final_rows].unsqueeze(1)  # rejected -> residual
+        probs = torch.where(final_is_verify & has_mass, residual, p_final)
+        # sample() needs no normalisation; the final rows' own seeds/counters key the draw
+        sampled = _sample_rows(probs, t, final_rows)
     verified = torch.where(accepted, draft_token_ids, torch.full_like(draft_token_ids, -1))
     return VerifyResult(verified.to(torch.int32), sampled, num_accepted, final_rows)
