@@ -18,6 +18,8 @@ from specserve.model.loader import load_model
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import StepSampler
 from specserve.sampling_params import InvalidRequestError, SamplingParams
+from specserve.spec.drafter import build_drafter
+from specserve.spec.slots import DraftSlotPool
 
 
 def resolve_device(device: str) -> torch.device:
@@ -70,6 +72,13 @@ class LLMEngine:
         if self.max_num_batched_tokens < config.max_num_seqs * (1 + k):
             self.max_num_batched_tokens = config.max_num_seqs * (1 + k)
         num_blocks = self._num_kv_blocks()
+        spec = config.speculative_config
+        self.drafter = build_drafter(spec, self) if spec else None
+        self.slot_pool = (
+            DraftSlotPool(config.max_num_seqs, k, mc.vocab_size, self.drafter.has_q, self.device)
+            if spec
+            else None
+        )
         self.runner = ModelRunner(
             loaded.model,
             mc.num_hidden_layers,
@@ -84,7 +93,11 @@ class LLMEngine:
         self.eos_ids = eos
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
+            self.block_manager,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.slot_pool,
         )
         # two steps of outputs live at once, each at most every row of a step plus the requests
         # that end without a token in it (aborts, prompt too long)
@@ -187,14 +200,62 @@ class LLMEngine:
             logits = self.runner.forward(inputs)
             seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
             drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-            host = self.sampler.run(logits, seqs, drafts)[1] if seqs else None
+            host = None
+            if seqs:
+                q = self._draft_q(seqs, drafts)
+                host = self.sampler.run(logits, seqs, drafts, q)[1]
+                if self.slot_pool is not None:
+                    host = host._replace(
+                        draft_confidences=[self.slot_pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
+                    )
+                    for s, d, acc in zip(seqs, drafts, host.num_accepted):
+                        if d:
+                            self.drafter.observe(s, len(d), acc)
             outputs.extend(self.ledger.process_outputs(batch, host))
+            if self.drafter is not None:
+                self._propose_drafts()
         for out in outputs:
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                seq = self.requests.pop(out.request_id, None)
+                if seq is not None and self.drafter is not None:
+                    self.drafter.release(seq)
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
+
+    def _draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+        """[total_q, V] draft distributions of the verify layout's rows (rows that verify
+        nothing get q = 0; they never read it), or None for one-hot drafters."""
+        if self.slot_pool is None or self.slot_pool.q is None or not any(drafts):
+            return None
+        v = self.model_config.vocab_size
+        parts = []
+        for s, d in zip(seqs, drafts):
+            if d:
+                parts.append(self.slot_pool.q_rows(s.slot, len(d)))
+            parts.append(torch.zeros(1, v, device=self.device))
+        return torch.cat(parts)
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step, into each running request's slot. Only requests whose
+        prompt is fully computed draft (their next step is a decode/verify step)."""
+        pool = self.slot_pool
+        k = pool.k
+        ready = []
+        for s in self.scheduler.running:
+            pool.clear(s.slot)
+            if s.num_uncomputed_tokens == 1:
+                ready.append(s)
+        if not ready:
+            return
+        limits = []
+        for s in ready:
+            room = min(k, self.max_model_len - s.num_tokens)
+            if s.params.max_tokens is not None:
+                room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
+            limits.append(max(0, room))
+        for s, (d, conf) in zip(ready, self.drafter.propose(ready, limits)):
+            pool.put(s.slot, d, conf)
 
     def release_outputs(self) -> None:
         """The caller has consumed every output handed out so far (e.g. the engine went idle):

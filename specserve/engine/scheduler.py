@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from specserve.spec.slots import DraftSlotPool
 
 
 @dataclass
@@ -40,8 +41,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        slot_pool: DraftSlotPool | None = None,
     ) -> None:
         self.bm = block_manager
+        self.slots = slot_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,6 +72,7 @@ class Scheduler:
         """Stop a request now: free its KV blocks (its draft slot is freed by the engine)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
@@ -79,6 +83,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV; prompt + emitted tokens are prefilled again."""
         self.running.remove(seq)
+        self._release_slot(seq)  # its drafts are gone; it recomputes and drafts afresh
         self.bm.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
@@ -87,21 +92,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> StepBatch:
+    def schedule(self) -> StepBatch:
         """Running requests first (decode/verify rows, then their remaining prefill chunks), then
         new prefills while the token budget, max_num_seqs and free blocks allow."""
         self.step_id += 1
         batch = StepBatch(self.step_id, [], [], [], [], [])
         budget = self.max_num_batched_tokens
-        drafts = drafts or {}
 
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             remaining = seq.num_uncomputed_tokens
-            d: list[int] = drafts.get(seq.request_id, []) if remaining == 1 else []
-            # drafts never push the sequence past max_model_len or the budget
-            d = d[: max(0, min(budget - 1, self.max_model_len - seq.num_tokens))]
+            d: list[int] = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []
+            if d:
+                # drafts never push the sequence past max_model_len, max_tokens or the budget
+                room = min(budget - 1, self.max_model_len - seq.num_tokens)
+                if seq.params.max_tokens is not None:
+                    room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+                d = d[: max(0, room)]
             rows = min(remaining, budget) if not d else 1 + len(d)
             while not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
                 victim = self.running[-1]
@@ -131,10 +139,17 @@ class Scheduler:
                         break
                 self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
+                if self.slots is not None:
+                    seq.slot = self.slots.allocate()
                 self.running.append(seq)
                 self._add_to_batch(batch, seq, rows, [])
                 budget -= rows
         return batch
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if self.slots is not None and seq.slot:
+            self.slots.release(seq.slot)
+            seq.slot = 0
 
     def _fits(self, seq: Sequence, cached: list[int], rows: int) -> bool:
         cached_free = sum(1 for b in cached if self.bm.blocks[b].ref_count == 0)
@@ -153,5 +168,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.bm.check_invariants()
+        if self.slots is not None:  # invariant 4: slots in use == running requests
+            assert self.slots.num_in_use == len(self.running)
+            assert all(s.slot > 0 for s in self.running)
         if not self.running and not self.waiting:
             assert self.bm.num_used_blocks == 0, "idle engine holds KV blocks"

@@ -1,0 +1,305 @@
+"""`specserve bench throughput`: offline throughput (or batch-1 decode speed) of specserve on a
+request set, optionally against HF transformers on the same prompts in the same process."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from specserve.bench import hf_baseline
+from specserve.bench.datasets import (
+    BenchRequest,
+    load_humaneval_rewrite,
+    load_sharegpt,
+    random_requests,
+)
+from specserve.bench.report import (
+    RunResult,
+    format_speculation,
+    format_table,
+    hardware_info,
+    plot_report,
+    ratios,
+    software_info,
+    timestamp,
+    write_json,
+)
+from specserve.sampling_params import SamplingParams
+
+DATASETS = ("sharegpt", "humaneval", "random")
+NAME = "specserve"
+# engine counters that only grow, so (after - before) isolates the timed run from the warm-up
+_SPEC_COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+
+
+@dataclass
+class ThroughputSettings:
+    model: str | None = None
+    dataset: str = "sharegpt"
+    num_prompts: int = 64
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    batch_1: bool = False
+    speculative_config: dict[str, Any] | None = None
+    baseline: str | None = None  # None | "hf"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    hf_batch_size: int | None = None  # None: min(max_num_seqs, num_prompts)
+    input_len: int = 128  # prompt length of the random dataset
+    json_path: str | None = None
+    plot_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str):
+            self.speculative_config = json.loads(self.speculative_config)
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if self.baseline not in (None, "hf"):
+            raise ValueError(f"baseline must be 'hf' or absent, got {self.baseline!r}")
+        if self.num_prompts < 1 or self.max_tokens < 1:
+            raise ValueError("num_prompts and max_tokens must be at least 1")
+
+
+def build_requests(s: ThroughputSettings, tokenizer: Any, vocab_size: int) -> list[BenchRequest]:
+    # Every request gets exactly max_tokens so both sides do the same work per request (HF's
+    # batched generate takes one max_new_tokens per batch).
+    if s.dataset == "sharegpt":
+        return load_sharegpt(s.num_prompts, tokenizer, seed=s.seed, fixed_output_len=s.max_tokens)
+    if s.dataset == "humaneval":
+        return load_humaneval_rewrite(
+            s.num_prompts, tokenizer, seed=s.seed, output_len=s.max_tokens
+        )
+    return random_requests(
+        s.num_prompts, (s.input_len, s.input_len), s.max_tokens, vocab_size, seed=s.seed
+    )
+
+
+def _params(s: ThroughputSettings, r: BenchRequest) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=r.output_len, ignore_eos=s.ignore_eos, seed=s.seed
+    )
+
+
+def _decode_rate(out: Any, wall: float) -> float | None:
+    """Decode tok/s of one finished request: tokens after the first over the time they took."""
+    n = len(out.outputs[0].token_ids)
+    m = getattr(out, "metrics", None)
+    first = getattr(m, "first_token_time", None)
+    done = getattr(m, "finished_time", None)
+    if n >= 2 and first is not None and done is not None and done > first:
+        return (n - 1) / (done - first)
+    return n / wall if n and wall > 0 else None  # no timestamps: fall back to the whole call
+
+
+def warm_up(llm: Any, requests: Sequence[BenchRequest]) -> None:
+    """One short request first: first-call costs (lazy init, allocator growth) aren't throughput.
+
+    Its prompt is 8 tokens, under one KV block, so it leaves nothing in the prefix cache that
+    a timed request could reuse (HF recomputes every prompt; a warm-up hit would be unfair)."""
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([requests[0].prompt_token_ids[:8]], warm, use_tqdm=False)
+
+
+def run_specserve(llm: Any, requests: Sequence[BenchRequest], s: ThroughputSettings) -> RunResult:
+    """The timed run (call warm_up first)."""
+    prompts = [r.prompt_token_ids for r in requests]
+    engine = getattr(llm, "engine", None)
+    rates: list[float] = []
+    if s.batch_1:
+        outs, seconds = [], 0.0
+        for p, r in zip(prompts, requests):
+            t0 = time.perf_counter()
+            (out,) = llm.generate([p], _params(s, r), use_tqdm=False)
+            wall = time.perf_counter() - t0
+            seconds += wall
+            outs.append(out)
+            rate = _decode_rate(out, wall)
+            if rate is not None:
+                rates.append(rate)
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, [_params(s, r) for r in requests], use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    cached = [getattr(getattr(o, "metrics", None), "num_cached_tokens", None) for o in outs]
+    return RunResult(
+        name=NAME,
+        mode="batch1" if s.batch_1 else "batched",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=out_tokens,
+        seconds=seconds,
+        dtype=str(getattr(engine, "dtype", s.dtype)).removeprefix("torch."),
+        device=str(getattr(engine, "device", s.device)),
+        batch_size=1 if s.batch_1 else s.max_num_seqs,
+        per_request_decode_tok_s=rates,
+        cached_prompt_tokens=None if None in cached else sum(cached),
+    )
+
+
+def _metrics(llm: Any) -> dict[str, Any]:
+    get = getattr(llm, "get_metrics", None)
+    return dict(get()) if callable(get) else {}
+
+
+def speculation_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """Speculation numbers of the timed run; None when the engine drafted nothing."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in _SPEC_COUNTERS if k in after}
+    if not d.get("spec_drafts"):
+        return None
+    out: dict[str, Any] = dict(d)
+    if d.get("spec_draft_tokens"):
+        out["acceptance_rate"] = d["spec_accepted_tokens"] / d["spec_draft_tokens"]
+    # tokens emitted per verify step of a drafting request: accepted drafts + the sampled one
+    out["mean_acceptance_length"] = 1 + d.get("spec_accepted_tokens", 0) / d["spec_drafts"]
+    # engine-lifetime values (include the warm-up request, which drafts little if at all)
+    for k in ("spec_acceptance_per_position", "spec_mean_acceptance_length"):
+        if k in after:
+            out[f"engine_{k}"] = after[k]
+    return out
+
+
+def _baseline_model_path(s: ThroughputSettings, llm: Any) -> str:
+    if s.model:
+        return s.model
+    try:
+        from specserve.model.loader.default_model import default_model_path
+
+        return str(default_model_path())
+    except ImportError:
+        return str(llm.model_name)
+
+
+def engine_hf_config(llm: Any) -> Any | None:
+    """An HF config of the engine's model (what a `dummy:` baseline is built from), or None."""
+    mc = getattr(getattr(llm, "engine", None), "model_config", None)
+    if mc is None:
+        return None
+    try:
+        return hf_baseline.hf_config_from_model_config(mc)
+    except (AttributeError, TypeError, ValueError):
+        return None  # an engine config of another shape: only dummy: baselines need it
+
+
+def _vocab_size(llm: Any) -> int:
+    cfg = engine_hf_config(llm)
+    size = getattr(cfg, "vocab_size", None)
+    return int(size) if size else len(llm.tokenizer)
+
+
+def make_llm(s: ThroughputSettings) -> Any:
+    from specserve import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=s.model,
+        speculative_config=s.speculative_config,
+        dtype=s.dtype,
+        device=s.device,
+        max_num_seqs=s.max_num_seqs,
+        seed=s.seed,
+    )
+    # only pass what was set, so the engine's own defaults apply otherwise
+    if s.max_model_len is not None:
+        kwargs["max_model_len"] = s.max_model_len
+    if s.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if not s.enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    return LLM(**kwargs)
+
+
+def run_throughput(
+    s: ThroughputSettings, llm: Any | None = None, verbose: bool = True
+) -> dict[str, Any]:
+    """Run the benchmark and return the report dict (also written to s.json_path / s.plot_path).
+
+    Pass `llm` to reuse an engine (it is left alive); otherwise one is built from the settings
+    and freed before the baseline loads, so the two never share device memory.
+    """
+    own = llm is None
+    if llm is None:
+        llm = make_llm(s)
+    tokenizer = llm.tokenizer
+    model_name = str(getattr(llm, "model_name", s.model))
+    hf_config = engine_hf_config(llm)
+    eos_ids = getattr(getattr(llm, "engine", None), "eos_ids", None)
+    requests = build_requests(s, tokenizer, _vocab_size(llm))
+    warm_up(llm, requests)
+    before = _metrics(llm)
+    ours = run_specserve(llm, requests, s)
+    after = _metrics(llm)
+    spec = speculation_summary(before, after)
+    baseline_path = _baseline_model_path(s, llm) if s.baseline else None
+    if own:
+        del llm
+        _free_memory()
+    base: RunResult | None = None
+    if s.baseline == "hf":
+        assert baseline_path is not None
+        base = hf_baseline.run_hf_baseline(
+            baseline_path,
+            requests,
+            ignore_eos=s.ignore_eos,
+            batch_1=s.batch_1,
+            batch_size=s.hf_batch_size or min(s.max_num_seqs, len(requests)),
+            dtype=s.dtype,
+            device=s.device,
+            tokenizer=tokenizer,
+            hf_config=hf_config,
+            eos_token_ids=sorted(eos_ids) if eos_ids else None,
+        )
+    report: dict[str, Any] = {
+        "benchmark": "throughput",
+        "timestamp": timestamp(),
+        "model": model_name,
+        "settings": asdict(s),
+        "hardware": hardware_info(),
+        "software": software_info(),
+        "specserve": ours.to_dict(),
+        "baseline": base.to_dict() if base else None,
+        "ratio": ratios(ours, base) if base else None,
+        "speculation": spec,
+        "engine_metrics": after,
+    }
+    if verbose:
+        sides = [ours] + ([base] if base else [])
+        print(format_table(sides, base))
+        if ours.cached_prompt_tokens:
+            print(
+                f"{ours.name}: {ours.cached_prompt_tokens} of {ours.prompt_tokens} prompt tokens "
+                "came from the prefix cache (--no-prefix-caching to turn it off)"
+            )
+        for side in sides if s.batch_1 else []:
+            rates = ", ".join(f"{r:.1f}" for r in side.per_request_decode_tok_s)
+            print(f"{side.name} decode tok/s per request: [{rates}]")
+        if spec:
+            print(format_speculation(spec))
+        elif s.speculative_config:
+            print("speculation: configured, but the engine reported no drafts in this run")
+    if s.json_path:
+        write_json(report, s.json_path)
+    if s.plot_path:
+        sides = [ours] + ([base] if base else [])
+        title = f"{model_name} | {s.dataset} x{s.num_prompts} | max_tokens={s.max_tokens}"
+        plot_report(sides, s.plot_path, title=title)
+    return report
+
+
+def _free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass

@@ -1,0 +1,124 @@
+"""`specserve bench ...` subcommands. Only `throughput` so far; `serve` (online) will sit beside it.
+
+Heavy imports (torch, transformers, the engine) happen inside run_bench so that building the
+top-level parser stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _add_throughput_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "throughput",
+        help="offline throughput (or batch-1 decode speed), optionally vs HF transformers",
+        description="Run a request set through specserve (and, with --baseline hf, through HF "
+        "transformers on the same prompts and settings) and report tokens/s.",
+    )
+    p.add_argument(
+        "--model", default=None, help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M"
+    )
+    p.add_argument("--dataset", choices=("sharegpt", "humaneval", "random"), default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="output tokens per request (the same for all)"
+    )
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument(
+        "--batch-1",
+        action="store_true",
+        help="one request at a time; report per-request decode tok/s and the median",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    p.add_argument("--baseline", choices=("hf",), default=None, help="also run HF transformers")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: min(max-num-seqs, N)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="recompute every prompt, as the HF baseline does",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` (with its own subcommands) on the top-level CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_throughput_parser(sub)
+    bench.set_defaults(func=run_bench)
+    return bench
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from specserve.bench.throughput import ThroughputSettings
+
+    spec = args.speculative_config
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --speculative-config is not valid JSON: {e}") from None
+    return ThroughputSettings(
+        model=args.model,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        batch_1=args.batch_1,
+        speculative_config=spec,
+        baseline=args.baseline,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        hf_batch_size=args.hf_batch_size,
+        input_len=args.input_len,
+        json_path=args.json_path,
+        plot_path=args.plot_path,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "throughput":
+        from specserve.bench.throughput import run_throughput
+
+        run_throughput(settings_from_args(args))
+        if args.json_path:
+            print(f"report written to {args.json_path}", file=sys.stderr)
+        if args.plot_path:
+            print(f"chart written to {args.plot_path}", file=sys.stderr)
+        return 0
+    print(f"error: unknown bench command {args.bench_command!r}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m specserve.cli.bench throughput ...`)."""
+    parser = argparse.ArgumentParser(prog="specserve bench")
+    _add_throughput_parser(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(argv)
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The drafter interface and its construction from the speculative config."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specserve.engine.llm_engine import LLMEngine
+
+
+class Drafter(Protocol):
+    has_q: bool  # stores a draft distribution per draft (else q is one-hot)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Up to limits[i] drafts for each request, with a confidence per draft. Drafters with
+        q write it into the slot pool rows of each request's slot."""
+        ...
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Verification outcome of the drafts a request just verified."""
+        ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
+    if spec.method == "ngram":
+        from specserve.spec.ngram import NgramDrafter
+
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from specserve.spec.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(spec, engine)
