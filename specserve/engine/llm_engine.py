@@ -72,6 +72,8 @@ class LLMEngine:
         if self.max_num_batched_tokens < config.max_num_seqs * (1 + k):
             self.max_num_batched_tokens = config.max_num_seqs * (1 + k)
         num_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = num_blocks
+        self.target_model = loaded.model
         spec = config.speculative_config
         self.drafter = build_drafter(spec, self) if spec else None
         self.slot_pool = (

@@ -39,6 +39,8 @@ def write_kv(
     `all_valid=True` lets a caller that already knows there is no padding skip the check (the
     model computes it once per forward instead of once per layer).
     """
+    if slot_mapping.numel() == 0:
+        return
     num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
     k_flat = cache.k.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
     v_flat = cache.v.view(-1, num_kv_heads, head_dim)
@@ -54,8 +56,21 @@ def write_kv(
         k_flat.index_copy_(0, slot_mapping[keep], k[keep].to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping[keep], v[keep].to(v_flat.dtype))
         return
-    # Sync-free on devices: padding rows repeat the write of the first real row (same slot, same
-    # value), so the duplicate index is harmless. With no real row they rewrite slot 0 unchanged.
+    _write_kv_sync_free(k, v, k_flat, v_flat, slot_mapping)
+
+
+def _write_kv_sync_free(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_flat: torch.Tensor,  # [num_slots, Hkv, D]
+    v_flat: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Masked write without reading the mask on the host (no device sync).
+
+    Padding rows repeat the write of the first real row (same slot, same value), so the duplicate
+    index is harmless; with no real row at all they rewrite slot 0 with its own value.
+    """
     keep = slot_mapping >= 0  # [T]
     first = torch.argmax(keep.to(torch.int8))  # first real row, or 0 if none
     has_real = keep[first]

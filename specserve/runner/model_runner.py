@@ -45,32 +45,45 @@ class ModelRunner:
         ]
 
     def prepare(self, batch: StepBatch) -> StepInputs:
+        rows, starts, tables, num_logits = [], [], [], []
+        for seq, qlen, d, samples in zip(batch.seqs, batch.query_lens, batch.drafts, batch.samples):
+            start = seq.num_computed_before_step
+            toks = seq.token_ids[start : start + qlen - len(d)]
+            rows.append(toks + d if d else toks)
+            starts.append(start)
+            tables.append(seq.block_table.blocks)
+            num_logits.append(1 + len(d) if samples else 0)
+        return self.prepare_rows(rows, starts, tables, num_logits)
+
+    def prepare_rows(
+        self,
+        rows: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        num_logits: list[int],
+    ) -> StepInputs:
+        """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
+        num_logits[i] rows."""
         bs = self.block_size
-        ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         logit_rows: list[np.ndarray] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
+        qlens = [len(r) for r in rows]
         row = 0
-        for seq, qlen, d, samples in zip(batch.seqs, batch.query_lens, batch.drafts, batch.samples):
-            start = seq.num_computed_before_step
-            toks = seq.token_ids[start : start + qlen - len(d)]
-            ids.append(np.asarray(toks + d if d else toks, dtype=np.int64))
+        for qlen, start, blocks, nl in zip(qlens, starts, tables, num_logits):
             p = np.arange(start, start + qlen, dtype=np.int64)
             pos.append(p)
-            table = np.asarray(seq.block_table.blocks, dtype=np.int64)
+            table = np.asarray(blocks, dtype=np.int64)
             slots.append(table[p // bs] * bs + p % bs)
-            if samples:
-                logit_rows.append(np.arange(row + qlen - 1 - len(d), row + qlen, dtype=np.int64))
+            if nl:
+                logit_rows.append(np.arange(row + qlen - nl, row + qlen, dtype=np.int64))
             context_lens.append(start + qlen)
-            tables.append(seq.block_table.blocks)
             row += qlen
         max_blocks = max(len(t) for t in tables)
         bt = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for i, t in enumerate(tables):
             bt[i, : len(t)] = t
-        qlens = batch.query_lens
         cu = np.zeros(len(qlens) + 1, dtype=np.int32)
         np.cumsum(qlens, out=cu[1:])
         dev = self.device
@@ -86,11 +99,12 @@ class ModelRunner:
             slot_mapping=t(np.concatenate(slots)),
             max_query_len=max(qlens),
             max_context_len=max(context_lens),
-            query_lens_cpu=list(qlens),
+            query_lens_cpu=qlens,
             context_lens_cpu=context_lens,
         )
-        rows = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
-        return StepInputs(t(np.concatenate(ids)), t(np.concatenate(pos)), ctx, t(rows))
+        ids = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=sum(qlens))
+        lr = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
+        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""`specserve serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+The server stack (fastapi, uvicorn) is imported only when the command runs; registering the
+parser just checks that it is installed, so `specserve --help` stays fast and a missing extra
+hides the command instead of breaking the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import Any
+
+if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+    raise ImportError("specserve serve needs the server extra: pip install 'specserve[server]'")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from specserve.cli.main import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients may use in 'model'"
+    )
+    p.add_argument(
+        "--stream-granularity",
+        choices=("step", "token"),
+        default="step",
+        help="SSE chunks: one per engine step (all tokens it landed) or one per token",
+    )
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.config import EngineConfig, SpeculativeConfig
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.server.launch import ServerOptions, run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
+        return 2
+    config = EngineConfig(
+        model=args.model_tag or args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        speculative_config=SpeculativeConfig.parse(args.speculative_config),
+        seed=args.seed,
+    )
+    engine = LLMEngine(config)
+    opts = ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_names=args.served_model_name,
+        stream_granularity=args.stream_granularity,
+        max_body_bytes=args.max_request_bytes,
+        log_level=args.log_level,
+    )
+    if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
+        print(f"warning: serving on {opts.host} without --api-key", file=sys.stderr)
+    print(
+        f"specserve: serving {engine.model_name} on http://{opts.host}:{opts.port} "
+        f"(max_model_len {engine.max_model_len})",
+        file=sys.stderr,
+    )
+    run_server(engine, opts)
+    return 0

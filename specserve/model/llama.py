@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of rows.
+
+One class covers the four families; they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), rope scaling and tied embeddings. q/k/v and gate/up are fused into single matmuls because
+batch-1 decode on CPU is bound by the number of ops, not by flops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.model.config import ModelConfig
+from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: torch.Tensor,  # [T, 2, 1, D]
+        cache: KVCache,
+        ctx: ForwardContext,
+        all_valid: bool,
+    ) -> torch.Tensor:  # [T, hidden]
+        t = x.shape[0]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
+            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        else:
+            # q and k rotate together: one set of rope ops for both.
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), cos_sin)
+            q, k = qk[:, :h], qk[:, h:]
+        write_kv(k, v, cache, ctx.slot_mapping, all_valid)
+        o = paged_attention(q, cache, ctx, self.scale)  # [T, H, D]
+        return self.o_proj(o.view(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream
+        cos_sin: torch.Tensor,
+        cache: KVCache,
+        ctx: ForwardContext,
+        all_valid: bool,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, ctx, all_valid)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint projection name -> (our fused parameter, shard index)
+    STACKED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Passing the (uninitialised) weight skips nn.Embedding's normal_() init, which on the meta
+        # device pulls in torch._dynamo (seconds of import time for values we overwrite anyway).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # one per layer
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, ctx.max_context_len, x.dtype)
+        # Checked once here rather than in each layer's KV write.
+        all_valid = slots_all_valid(ctx.slot_mapping)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, cache, ctx, all_valid)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters; return the parameter names filled.
+
+        A fused parameter counts as filled only once all its shards arrived, so the loader's
+        coverage check also catches a checkpoint that lacks, say, one up_proj.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            shard = None
+            for proj, (fused, idx) in self.STACKED.items():
+                if f".{proj}." in name:
+                    name, shard = name.replace(f".{proj}.", f".{fused}."), idx
+                    break
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            dst = param.data if shard is None else self._shard_view(param.data, name, shard)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            if shard is None:
+                loaded.add(name)
+            else:
+                shards_seen.setdefault(name, set()).add(shard)
+        for name, seen in shards_seen.items():
+            if len(seen) == (3 if ".qkv_proj." in name else 2):
+                loaded.add(name)
+        return loaded
+
+    def _shard_view(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        """Rows of a fused weight/bias that hold one HF projection."""
+        c = self.config
+        if ".qkv_proj." in name:
+            sizes = [c.q_size, c.kv_size, c.kv_size]
+        else:
+            sizes = [c.intermediate_size, c.intermediate_size]
+        return data.narrow(0, sum(sizes[:shard]), sizes[shard])

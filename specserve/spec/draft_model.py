@@ -1,0 +1,126 @@
+"""Draft-model drafter: a second (small) model proposes up to k tokens per request.
+
+Its KV cache has its own tensors but shares the target's block tables: position p of a request
+lives in the same block/offset in both caches. So the target's allocation, prefix-cache reuse,
+preemption and rollback apply to the draft KV too, and "rolling back to the accepted prefix" is
+just lowering the request's draft_computed mark: the next catch-up rewrites the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.sequence import Sequence
+from specserve.model.errors import ModelLoadError
+from specserve.model.loader import load_model
+from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
+from specserve.runner.model_runner import ModelRunner
+
+
+class DraftModelDrafter:
+    has_q = True
+
+    def __init__(self, spec: SpeculativeConfig, engine) -> None:
+        self.engine = engine
+        self.k = spec.num_speculative_tokens
+        if spec.model in ("self", "target") or spec.model == engine.config.model:
+            model, cfg = engine.target_model, engine.model_config  # the target drafts for itself
+        else:
+            loaded = load_model(spec.model, engine.dtype, engine.device, progress=False)
+            model, cfg = loaded.model, loaded.config
+            if cfg.vocab_size != engine.model_config.vocab_size:
+                raise ModelLoadError(
+                    f"draft model {spec.model!r} has vocabulary size {cfg.vocab_size}, the target "
+                    f"has {engine.model_config.vocab_size}: a draft model must share the target's "
+                    "vocabulary"
+                )
+            tok_t, tok_d = engine.tokenizer, loaded.tokenizer
+            if tok_t is not None and tok_d is not None and tok_t.get_vocab() != tok_d.get_vocab():
+                raise ModelLoadError(
+                    f"draft model {spec.model!r} has a different tokenizer vocabulary than the target"
+                )
+        self.runner = ModelRunner(
+            model,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            engine.num_kv_blocks,
+            engine.config.block_size,
+            engine.dtype,
+            engine.device,
+        )
+        # per request: positions [0, computed) of the draft KV are valid, and the preemption count
+        # they were computed under (a preemption frees the blocks they lived in)
+        self._computed: dict[str, tuple[int, int]] = {}
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Drafts past the accepted prefix were rejected: their KV positions are stale."""
+        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
+        # the last token (the sampled one) sits at num_tokens - 1 and was never fed to the draft
+        self._computed[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+
+    def release(self, seq: Sequence) -> None:
+        self._computed.pop(seq.request_id, None)
+
+    def _valid(self, seq: Sequence) -> int:
+        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
+        return done if pre == seq.num_preemptions else 0
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+        eng = self.engine
+        bm = eng.block_manager
+        active: list[int] = []
+        for i, (seq, k) in enumerate(zip(seqs, limits)):
+            if k <= 0:
+                continue
+            # drafting writes draft KV up to position num_tokens + k - 2: the blocks must exist
+            while k > 0 and not bm.can_allocate(seq.block_table, seq.num_tokens + k - 1):
+                k -= 1
+            limits[i] = k
+            if k > 0:
+                bm.allocate(seq.block_table, seq.num_tokens + k - 1)
+                active.append(i)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        confs: list[list[float]] = [[] for _ in seqs]
+        if not active:
+            return list(zip(drafts, confs))
+        # round 0 catches each request's draft KV up to its last token (a ragged chunk); every
+        # later round feeds the draft just proposed, one row per request
+        rows = {}
+        starts = {}
+        for i in active:
+            seq = seqs[i]
+            starts[i] = min(self._valid(seq), seq.num_tokens - 1)
+            rows[i] = seq.token_ids[starts[i] :]
+        pool = eng.slot_pool
+        for j in range(max(limits[i] for i in active)):
+            idx = [i for i in active if limits[i] > j]
+            inputs = self.runner.prepare_rows(
+                [rows[i] for i in idx],
+                [starts[i] for i in idx],
+                [seqs[i].block_table.blocks for i in idx],
+                [1] * len(idx),
+            )
+            logits = self.runner.forward(inputs)  # [len(idx), V]
+            t = SamplingTensors.build(
+                [seqs[i].params for i in idx],
+                [seqs[i].seed for i in idx],
+                [seqs[i].num_output_tokens + j for i in idx],
+                eng.device,
+            )
+            q = target_probs(logits, t)  # same filtered family as the target's p
+            tok = sample(q, t, DRAFT_SALT)  # [len(idx)]
+            conf = q.gather(1, tok.unsqueeze(1)).squeeze(1)
+            pool.q[torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)] = q
+            for i, t_id, c in zip(idx, tok.tolist(), conf.tolist()):
+                drafts[i].append(t_id)
+                confs[i].append(c)
+                rows[i] = [t_id]
+                starts[i] = seqs[i].num_tokens + j
+        for i in active:
+            seq = seqs[i]
+            # fed: the catch-up through num_tokens - 1, then drafts 1..k-1
+            self._computed[seq.request_id] = (seq.num_tokens + len(drafts[i]) - 1, seq.num_preemptions)
+        return list(zip(drafts, confs))
