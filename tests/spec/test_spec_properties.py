@@ -1,0 +1,154 @@
+"""Property tests under speculation: random draft lengths and acceptance patterns, stops (EOS,
+stop ids, max_tokens, stop strings inside the accepted prefix), aborts and preemptions.
+DESIGN.md invariants 1-4 hold every step; emitted == appended == usage."""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specserve import SamplingParams
+from specserve.spec.draft_model import DraftModelDrafter
+from tests.engine.conftest import make_llm
+
+_ENGINE = {}
+
+
+class CorruptingDrafter:
+    """The target drafting for itself (near-total greedy acceptance), with each proposal cut to a
+    random length and corrupted at a random position: accepted prefixes of every length."""
+
+    has_q = True
+
+    def __init__(self, inner: DraftModelDrafter) -> None:
+        self.inner = inner
+        self.rng = random.Random(0)
+
+    def propose(self, seqs, limits):
+        limits = [self.rng.randint(0, k) for k in limits]
+        out = []
+        for d, c in self.inner.propose(seqs, limits):
+            if d and self.rng.random() < 0.5:
+                j = self.rng.randrange(len(d))
+                d = d[:j] + [self.rng.randrange(3, 49000)] + d[j + 1 :]
+            out.append((d, c))
+        return out
+
+    def observe(self, seq, nd, na):
+        self.inner.observe(seq, nd, na)
+
+    def release(self, seq):
+        self.inner.release(seq)
+
+
+def _engine():
+    if "llm" not in _ENGINE:
+        llm = make_llm(
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": "self"},
+            max_num_seqs=6,
+            max_num_batched_tokens=24,
+            kv_cache_memory_gb=13 * 8192 / 2**30,
+            max_model_len=120,
+            debug_invariants=True,
+        )
+        llm.engine.drafter = CorruptingDrafter(llm.engine.drafter)
+        _ENGINE["llm"] = llm
+    return _ENGINE["llm"].engine
+
+
+request = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 60),
+        "max_tokens": st.integers(1, 30),
+        "stop_tok": st.one_of(st.none(), st.integers(0, 400)),
+        "stop_str": st.one_of(st.none(), st.sampled_from(["e", "an", " the", ".", "in"])),
+        "temperature": st.sampled_from([0.0, 0.0, 1.0]),
+        "arrive_at": st.integers(0, 8),
+        "abort_at": st.one_of(st.none(), st.integers(0, 25)),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(request, min_size=1, max_size=8), st.integers(0, 2**31))
+def test_spec_invariants_over_random_workloads(reqs, seed):
+    eng = _engine()
+    rng = random.Random(seed)
+    seqs = {}
+    emitted: dict[str, list[int]] = {}
+    texts: dict[str, list[str]] = {}
+    finished: dict[str, str] = {}
+    captured = {}
+    real_process = eng.ledger.process_outputs
+
+    def spy(batch, res):
+        captured["batch"], captured["res"] = batch, res
+        return real_process(batch, res)
+
+    eng.ledger.process_outputs = spy
+    try:
+        pending = sorted(reqs, key=lambda r: r["arrive_at"])
+        tick = 0
+        while pending or eng.has_unfinished():
+            while pending and pending[0]["arrive_at"] <= tick:
+                r = pending.pop(0)
+                # a low-entropy prompt so the ids 0..400 show up as stop tokens now and then
+                prompt = [rng.randrange(3, 400) for _ in range(r["prompt_len"])]
+                sp = SamplingParams(
+                    temperature=r["temperature"],
+                    max_tokens=r["max_tokens"],
+                    stop_token_ids=[r["stop_tok"]] if r["stop_tok"] is not None else None,
+                    stop=r["stop_str"],
+                )
+                seq = eng.add_request(prompt, sp)
+                seqs[seq.request_id] = (seq, r)
+                emitted[seq.request_id], texts[seq.request_id] = [], []
+            for rid, (seq, r) in seqs.items():
+                if r["abort_at"] == tick and rid not in finished:
+                    eng.abort(rid)
+            captured.clear()
+            outs = eng.step()  # debug_invariants: blocks (5) and slots (4) checked inside
+            per_req: dict[str, int] = {}
+            for o in outs:
+                assert o.request_id not in finished
+                if o.token_id >= 0:
+                    emitted[o.request_id].append(o.token_id)
+                    per_req[o.request_id] = per_req.get(o.request_id, 0) + 1
+                texts[o.request_id].append(o.text)
+                if o.finished:
+                    finished[o.request_id] = o.finish_reason
+            if "res" in captured and captured["res"] is not None:
+                batch, res = captured["batch"], captured["res"]
+                sampling = [(s, nd) for s, nd, sm in zip(batch.seqs, batch.num_drafts, batch.samples) if sm]
+                row = 0
+                for r_i, (s, nd) in enumerate(sampling):
+                    rows = res.verified_token_ids[row : row + nd + 1]
+                    # invariant 2: t1..tk then only sentinels
+                    n = res.num_accepted[r_i]
+                    assert all(x >= 0 for x in rows[:n]) and all(x == -1 for x in rows[n:])
+                    pushed = per_req.get(s.request_id, 0)
+                    # invariant 3: pushed <= accepted + 1, and < only when the request finished
+                    assert pushed <= n + 1
+                    if pushed < n + 1:
+                        assert s.request_id in finished
+                    row += nd + 1
+            tick += 1
+            assert tick < 3000
+    finally:
+        eng.ledger.process_outputs = real_process
+    assert set(finished) == set(seqs)
+    for rid, (seq, r) in seqs.items():
+        assert emitted[rid] == seq.output_token_ids  # emitted == appended
+        assert len(emitted[rid]) == seq.num_output_tokens  # == usage
+        text = "".join(texts[rid])
+        if finished[rid] == "stop" and seq.stop_reason == r["stop_str"]:
+            assert r["stop_str"] not in text  # trimmed at the stop string, nothing after
+        if r["stop_str"] is not None and finished[rid] != "abort":
+            assert r["stop_str"] not in text
+        if r["stop_tok"] is not None and finished[rid] != "abort":
+            assert r["stop_tok"] not in emitted[rid][:-1]
+        assert seq.spec.num_accepted_tokens <= seq.num_output_tokens
+    assert eng.block_manager.num_used_blocks == 0
+    assert eng.slot_pool.num_in_use == 0
+    eng.release_outputs()
+    assert eng.pool.num_free == eng.pool.capacity
