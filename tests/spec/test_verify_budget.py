@@ -1,0 +1,95 @@
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve.spec.step_cost import StepCostCurve, default_buckets
+from specserve.spec.verify_budget import choose_verify_budget, survivals
+
+conf_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=4)
+cost_points = st.lists(st.floats(0.5, 3.0), min_size=16, max_size=16)
+
+
+def _cost_fn(points):
+    # a jagged, non-monotone measured curve; the chooser sees it through StepCostCurve's envelope
+    curve = StepCostCurve(list(range(1, 17)))
+    for rows, t in enumerate(points, start=1):
+        curve._samples[rows - 1].append(t * (1 + rows / 8))
+    return curve
+
+
+def _objective(conf, ms, base, cost):
+    tokens = len(conf) + sum(sum(survivals(c)[:m]) for c, m in zip(conf, ms))
+    return tokens / cost(base + sum(ms))
+
+
+@settings(max_examples=300, deadline=None)
+@given(conf_lists, cost_points, st.integers(1, 4), st.integers(1, 16))
+def test_chooser_matches_brute_force(conf, points, base, max_rows):
+    cost = _cost_fn(points)
+    base = min(base, max_rows)
+    choice = choose_verify_budget(conf, base, cost, max_rows)
+    best = max(
+        _objective(conf, ms, base, cost)
+        for ms in itertools.product(*[range(len(c) + 1) for c in conf])
+        if base + sum(ms) <= max_rows
+    )
+    assert math.isclose(_objective(conf, choice.num_verify, base, cost), best, rel_tol=1e-9)
+    # prefix per request, within each request's drafts, within the budget
+    assert all(0 <= m <= len(c) for m, c in zip(choice.num_verify, conf))
+    assert base + sum(choice.num_verify) <= max_rows
+    assert choice.total_rows == base + sum(choice.num_verify)
+
+
+@settings(max_examples=300, deadline=None)
+@given(conf_lists, cost_points, st.integers(1, 4), st.floats(1.0, 3.0))
+def test_scaling_all_survivals_up_never_shrinks_the_budget(conf, points, base, factor):
+    cost = _cost_fn(points)
+    low = choose_verify_budget(conf, base, cost, 64)
+    # survivals multiplied by a common factor: scale the first confidence of every request
+    higher = [([min(1.0, c[0] * factor)] + c[1:]) if c else c for c in conf]
+    scaled_ok = all(not c or c[0] * factor <= 1.0 for c in conf)
+    high = choose_verify_budget(higher, base, cost, 64)
+    if scaled_ok:
+        assert sum(high.num_verify) >= sum(low.num_verify)
+
+
+def test_zero_confidence_verifies_nothing_and_certain_drafts_are_taken():
+    flat = lambda rows: 1.0  # noqa: E731 - rows are free: only confidence matters
+    choice = choose_verify_budget([[0.0, 0.9, 0.9], [1.0, 1.0]], base_rows=2, step_time=flat, max_rows=64)
+    assert choice.num_verify == [0, 2]
+    steep = lambda rows: float(rows)  # noqa: E731 - each row costs as much as a step
+    assert choose_verify_budget([[0.3, 0.3]], 1, steep, 64).num_verify == [0]
+
+
+def test_high_load_shrinks_speculation_to_nothing():
+    # 64 decode requests, cost linear in rows: a 40% draft is not worth a 1/64 longer step... at
+    # this load each extra row costs ~1/64 of the step but brings 0.4/64 of its tokens
+    cost = lambda rows: 1.0 + rows / 16  # noqa: E731
+    choice = choose_verify_budget([[0.4, 0.2]] * 64, 64, cost, 512)
+    assert sum(choice.num_verify) == 0
+    low_load = choose_verify_budget([[0.9, 0.8, 0.7]], 1, cost, 512)
+    assert low_load.num_verify == [3]
+
+
+def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
+    curve = StepCostCurve([1, 2, 4, 8])
+    curve.calibrate(lambda rows: 0.01 * rows + 0.02, reps=3)
+    assert math.isclose(curve(4), 0.06)
+    assert math.isclose(curve(3), (curve(2) + curve(4)) / 2)
+    for _ in range(40):  # online refinement: recent medians win over the calibration
+        curve.record(8, 0.5)
+    assert math.isclose(curve(8), 0.5)
+    curve.record(2, 10.0)  # one outlier moves no median
+    assert curve(2) < 0.1
+    # a bucket measured slower than a larger one is capped by it (padding up is allowed)
+    jag = StepCostCurve([1, 2, 4])
+    jag.calibrate(lambda rows: {1: 1.0, 2: 3.0, 4: 2.0}[rows], reps=1)
+    assert [t for _, t in jag.points()] == [1.0, 2.0, 2.0]
+    path = tmp_path / "curve.json"
+    curve.save(path)
+    again = StepCostCurve.load(path, [1, 2, 4, 8])
+    assert again is not None and math.isclose(again(8), curve(8))
+    assert StepCostCurve.load(path, [1, 2]) is None
+    assert default_buckets(100)[-1] == 100 and default_buckets(100)[0] == 1

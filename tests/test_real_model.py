@@ -1,0 +1,90 @@
+"""The real default model (SmolLM2-135M-Instruct GGUF) through the whole engine: speculation is
+lossless token for token, self-drafting is accepted, stop strings cut text, tokens and logprobs."""
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.bench.datasets import load_humaneval_rewrite
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "List three prime numbers greater than 10.",
+    "How do I reverse a list in Python?",
+    "Give me a recipe for pancakes.",
+    "Translate 'good morning' into French, Spanish and German.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", device="cpu", progress=False, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    chats = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    code = [r.prompt_token_ids for r in load_humaneval_rewrite(4, llm.tokenizer)]
+    return chats + code  # 11 prompts
+
+
+@pytest.fixture(scope="module")
+def reference(llm, prompts):
+    return llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": "self"},
+    ],
+    ids=["ngram", "self-draft"],
+)
+def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg):
+    spec = LLM(dtype="float32", device="cpu", progress=False, max_num_seqs=16, speculative_config=cfg)
+    outs = spec.generate(prompts, GREEDY, use_tqdm=False)
+    for ref, out in zip(reference, outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].text == ref.outputs[0].text
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    m = spec.get_metrics()
+    assert m["spec_accepted_tokens"] > 0
+    if cfg["method"] == "draft_model":
+        rate = m["spec_accepted_tokens"] / m["spec_draft_tokens"]
+        assert rate >= 0.95, f"self-draft acceptance {rate:.3f}"
+
+
+def test_stop_string_across_tokens_trims_text_tokens_and_logprobs(llm, prompts, reference):
+    ref = reference[1].outputs[0]
+    tok = llm.tokenizer
+    # a stop string made of the tail of token 5 and the whole of tokens 6-7: it spans 3 tokens
+    pieces = [tok.decode(ref.token_ids[: i + 1]) for i in range(len(ref.token_ids))]
+    stop = pieces[7][len(pieces[4]) + 1 :]
+    assert len(stop) >= 3 and stop in ref.text
+    first = ref.text.index(stop)
+    end_tok = next(i for i, p in enumerate(pieces) if len(p) >= first + len(stop))
+    for cfg in [None, {"method": "draft_model", "num_speculative_tokens": 4, "model": "self"}]:
+        eng = llm if cfg is None else LLM(dtype="float32", device="cpu", progress=False, speculative_config=cfg)
+        sp = SamplingParams(temperature=0, max_tokens=128, stop=[stop], logprobs=2)
+        c = eng.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop
+        assert c.text == ref.text[:first]
+        assert c.token_ids == ref.token_ids[: end_tok + 1]
+        assert len(c.logprobs) == len(c.token_ids)
+        sp = SamplingParams(temperature=0, max_tokens=128, stop=[stop], include_stop_str_in_output=True)
+        c = eng.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0]
+        assert c.text == ref.text[: first + len(stop)]
+
+
+def test_streamed_text_equals_generated_text_and_usage(llm, prompts, reference):
+    sp = SamplingParams(temperature=0, max_tokens=128)
+    got: dict[str, list] = {}
+    for out in llm.stream(prompts[:4], sp):
+        got.setdefault(out.request_id, []).append(out)
+    for outs, ref in zip(got.values(), reference[:4]):
+        assert "".join(o.text for o in outs) == ref.outputs[0].text
+        assert [o.token_id for o in outs] == ref.outputs[0].token_ids
+        assert outs[-1].num_output_tokens == len(ref.outputs[0].token_ids)
