@@ -72,3 +72,4 @@ class EngineConfig:
     seed: int = 0
     output_pool_capacity: int | None = None
     debug_invariants: bool = False
+    cache_step_cost: bool = True  # keep the measured step-cost curve under $SPECSERVE_CACHE

@@ -62,6 +62,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     _add_throughput_parser(sub)
+    from specserve.bench.spec_sweep import add_sweep_parser
+
+    add_sweep_parser(sub)
     bench.set_defaults(func=run_bench)
     return bench
 
@@ -108,6 +111,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.plot_path:
             print(f"chart written to {args.plot_path}", file=sys.stderr)
         return 0
+    if args.bench_command == "spec-sweep":
+        from specserve.bench.spec_sweep import run_sweep
+
+        report = run_sweep(args)
+        return 0 if report["checks"]["all_ok"] else 1
     print(f"error: unknown bench command {args.bench_command!r}", file=sys.stderr)
     return 2
 

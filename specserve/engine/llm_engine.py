@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +15,11 @@ from specserve.engine.ledger import Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import FinishReason, Sequence
-from specserve.model.loader import load_model
+from specserve.model.loader import cache_dir, load_model
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import StepSampler
 from specserve.sampling_params import InvalidRequestError, SamplingParams
+from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
 from specserve.spec.slots import DraftSlotPool
 
@@ -112,6 +114,11 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_steps = 0
+        self.budget = (
+            VerifyBudgetPolicy(self, cache_dir() if config.cache_step_cost else None)
+            if spec is not None and spec.verify_budget == "auto"
+            else None
+        )
 
     def _num_kv_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -198,6 +205,7 @@ class LLMEngine:
             outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
         if not batch.is_empty:
             self.num_steps += 1
+            t0 = time.perf_counter()
             inputs = self.runner.prepare(batch)
             logits = self.runner.forward(inputs)
             seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
@@ -213,6 +221,8 @@ class LLMEngine:
                     for s, d, acc in zip(seqs, drafts, host.num_accepted):
                         if d:
                             self.drafter.observe(s, len(d), acc)
+            if self.budget is not None:
+                self.budget.record_step(batch.num_rows, time.perf_counter() - t0)
             outputs.extend(self.ledger.process_outputs(batch, host))
             if self.drafter is not None:
                 self._propose_drafts()
@@ -256,7 +266,11 @@ class LLMEngine:
             if s.params.max_tokens is not None:
                 room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
             limits.append(max(0, room))
-        for s, (d, conf) in zip(ready, self.drafter.propose(ready, limits)):
+        proposals = self.drafter.propose(ready, limits)
+        if self.budget is not None:
+            keep = self.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
+            proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
+        for s, (d, conf) in zip(ready, proposals):
             pool.put(s.slot, d, conf)
 
     def release_outputs(self) -> None:

@@ -31,10 +31,6 @@ from specserve.server.metrics import EngineSnapshot, ServerMetrics
 log = logging.getLogger("specserve.server")
 T = TypeVar("T")
 
-# empty steps run after the engine goes idle: the output pool releases step N's outputs at the
-# start of step N + 2, so two empty steps return every output and the pool is full when idle
-IDLE_FLUSH_STEPS = 2
-
 
 @dataclass(slots=True)
 class TokenDelta:
@@ -139,7 +135,9 @@ class AsyncEngine:
         self.metrics = ServerMetrics(self.model_name)
         self._cmds: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._idle_flush = 0
+        # outputs handed out since the engine was last idle: every one is copied out at once,
+        # so when the engine goes idle they all go back to the pool (invariant 6)
+        self._outputs_out = False
         self._stopping = False
         self.dead: BaseException | None = None
         # one tokenizer thread: HF fast tokenizers are not safe to encode from many threads at once
@@ -195,7 +193,7 @@ class AsyncEngine:
     def idle_state(self, eng: LLMEngine) -> dict[str, Any]:
         """Pass to call(): is the engine idle with every resource returned? (tests, debugging)"""
         return {
-            "idle": not eng.has_unfinished() and self._idle_flush == 0 and not self._live,
+            "idle": not eng.has_unfinished() and not self._outputs_out and not self._live,
             "live": len(self._live),
             "used_blocks": eng.block_manager.num_used_blocks,
             "pool_free": eng.pool.num_free,
@@ -222,10 +220,10 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                    self._idle_flush = IDLE_FLUSH_STEPS
-                elif self._idle_flush:
-                    self._idle_flush -= 1
-                    self._guarded_step()
+                    self._outputs_out = True
+                elif self._outputs_out:
+                    self.engine.release_outputs()
+                    self._outputs_out = False
                 self._publish()
         except BaseException as e:  # a bug in this loop itself: fail everyone, report unhealthy
             log.exception("engine thread died")
@@ -237,7 +235,7 @@ class AsyncEngine:
                     cmd.future.set_exception(ServerError("the engine stopped", 503))
 
     def _has_work(self) -> bool:
-        return self.engine.has_unfinished() or self._idle_flush > 0
+        return self.engine.has_unfinished() or self._outputs_out
 
     def _drain(self) -> list[Any]:
         out = []
@@ -261,8 +259,8 @@ class AsyncEngine:
                     cmd.future.set_result(cmd.fn(self.engine))
                 except BaseException as e:
                     cmd.future.set_exception(e)
-                # fn may have stepped the engine itself: flush so the pool ends up full again
-                self._idle_flush = IDLE_FLUSH_STEPS
+                # fn may have stepped the engine itself
+                self._outputs_out = True
         elif isinstance(cmd, _Stop):
             self._stopping = True
 
@@ -361,7 +359,9 @@ class AsyncEngine:
         # has_unfinished() true forever (LLMEngine._terminal is the engine's report queue)
         pending = {s.request_id for s in eng._terminal}
         for rid in [r for r, s in eng.requests.items() if s.is_finished and r not in pending]:
-            eng.requests.pop(rid, None)
+            seq = eng.requests.pop(rid)
+            if eng.drafter is not None:
+                eng.drafter.release(seq)
         self._fail([rid for rid in affected if rid in self._live], exc)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:

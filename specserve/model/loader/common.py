@@ -44,7 +44,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     cls = get_model_class(config.architecture)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(config)
-    return model.to_empty(device=device).eval()
+    return model.to_empty(device=device).requires_grad_(False).eval()
 
 
 def build_meta_model(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> nn.Module:

@@ -1,0 +1,418 @@
+"""`specserve bench serve`: online serving benchmark against a running OpenAI-compatible server,
+after `vllm bench serve`.
+
+Requests stream from /v1/completions, arriving as a Poisson process (`--request-rate`, or a gamma
+process with `--burstiness`) or all at once, optionally capped by `--max-concurrency`. Per request
+we record TTFT, the gaps between streamed chunks (ITL), TPOT and end-to-end latency; output token
+counts come from the server's usage (exact), not from re-tokenizing text. Speculation numbers are
+the difference of the server's /metrics counters before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specserve.bench.datasets import BenchRequest
+
+SPEC_COUNTERS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
+
+
+@dataclass
+class ServeBenchSettings:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # served model name; None: the first one /v1/models lists
+    tokenizer: str | None = None  # HF folder for ShareGPT lengths; None: the default model's
+    dataset: str = "sharegpt"  # "sharegpt" | "random"
+    num_prompts: int = 100
+    request_rate: float = math.inf  # requests/s; inf: all at t=0
+    burstiness: float = 1.0  # gamma shape of inter-arrival times; 1.0 = Poisson
+    max_concurrency: int | None = None
+    output_len: int | None = None  # fixed output tokens; None: ShareGPT's reference reply length
+    input_len: int = 128  # random dataset
+    vocab_size: int = 49152  # random dataset token ids
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    stream_granularity: str | None = None
+    api_key: str | None = None
+    seed: int = 0
+    percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
+    json_path: str | None = None
+    plot_path: str | None = None
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0  # seconds since the benchmark began
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def build_requests(s: ServeBenchSettings) -> list[BenchRequest]:
+    if s.dataset == "random":
+        from specserve.bench.datasets import random_requests
+
+        lo = max(1, s.input_len // 2)
+        return random_requests(
+            s.num_prompts, (lo, s.input_len), s.output_len or 128, s.vocab_size, s.seed
+        )
+    from specserve.bench.datasets import load_sharegpt
+
+    if s.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(s.tokenizer)
+    else:
+        from specserve.model.loader import default_tokenizer
+
+        tok = default_tokenizer()
+    return load_sharegpt(s.num_prompts, tok, seed=s.seed, fixed_output_len=s.output_len)
+
+
+async def _one(
+    http: Any, s: ServeBenchSettings, req: BenchRequest, model: str, t0: float
+) -> RequestResult:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": req.prompt or req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "temperature": s.temperature,
+        "ignore_eos": s.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if s.stream_granularity:
+        body["stream_granularity"] = s.stream_granularity
+    res = RequestResult()
+    start = time.perf_counter()
+    res.start = start - t0
+    last = start
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"].get("message", str(obj["error"]))
+                    return res
+                now = time.perf_counter()
+                if obj.get("choices"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if obj.get("usage"):
+                    res.prompt_tokens = obj["usage"]["prompt_tokens"]
+                    res.output_tokens = obj["usage"]["completion_tokens"]
+        res.e2e = time.perf_counter() - start
+        res.ok = not res.error
+    except Exception as e:  # a benchmark records failures instead of stopping
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def _arrivals(s: ServeBenchSettings, n: int) -> Any:
+    """Yield request indices at their arrival times."""
+    rng = random.Random(s.seed)
+    for i in range(n):
+        yield i
+        if math.isinf(s.request_rate) or s.request_rate <= 0:
+            continue
+        theta = 1.0 / (s.request_rate * s.burstiness)
+        await asyncio.sleep(rng.gammavariate(s.burstiness, theta))
+
+
+async def _scrape(http: Any) -> dict[str, float]:
+    from specserve.server.metrics import parse_prometheus
+
+    try:
+        return parse_prometheus((await http.get("/metrics")).text)
+    except Exception:
+        return {}
+
+
+def _spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    from specserve.server.metrics import sample
+
+    d = {n: sample(after, n) - sample(before, n) for n in SPEC_COUNTERS}
+    drafts, draft_tokens, accepted = (d[n] for n in SPEC_COUNTERS)
+    if drafts <= 0:
+        return None
+    per_pos = []
+    for j in range(64):
+        ver = sample(after, "spec_decode_num_verified_tokens_per_pos_total", position=str(j))
+        ver -= sample(before, "spec_decode_num_verified_tokens_per_pos_total", position=str(j))
+        if ver <= 0:
+            break
+        acc = sample(after, "spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+        acc -= sample(before, "spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+        per_pos.append(acc / ver)
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(draft_tokens),
+        "num_accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1.0 + accepted / drafts,
+        "acceptance_per_position": per_pos,
+    }
+
+
+def _stats(xs: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
+    """mean / median / std / pN in milliseconds."""
+    if not xs:
+        return {}
+    ms = sorted(x * 1000 for x in xs)
+    out = {"mean": statistics.fmean(ms), "median": statistics.median(ms)}
+    out["std"] = statistics.pstdev(ms)
+    for p in percentiles:
+        k = min(len(ms) - 1, max(0, math.ceil(p / 100 * len(ms)) - 1))
+        out[f"p{p:g}"] = ms[k]
+    return out
+
+
+def summarize(
+    s: ServeBenchSettings, results: list[RequestResult], duration: float, spec: dict | None
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tok / duration if duration else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / duration if duration else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok], s.percentiles),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None], s.percentiles),
+        "itl_ms": _stats([g for r in ok for g in r.itl], s.percentiles),
+        "e2el_ms": _stats([r.e2e for r in ok], s.percentiles),
+        "speculation": spec,
+    }
+
+
+async def run_serve_bench_async(s: ServeBenchSettings) -> dict[str, Any]:
+    import httpx
+
+    requests = build_requests(s)
+    headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+    limits = httpx.Limits(max_connections=s.max_concurrency or len(requests) or 1)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(
+        base_url=s.base_url, headers=headers, limits=limits, timeout=timeout
+    ) as http:
+        model = s.model
+        if model is None:
+            resp = await http.get("/v1/models")
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+        sem = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None
+        before = await _scrape(http)
+        t0 = time.perf_counter()
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                return await _one(http, s, req, model, t0)
+            async with sem:
+                return await _one(http, s, req, model, t0)
+
+        tasks = [
+            asyncio.create_task(limited(requests[i])) async for i in _arrivals(s, len(requests))
+        ]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        spec = _spec_delta(before, await _scrape(http))
+    report = summarize(s, list(results), duration, spec)
+    settings = {k: v for k, v in asdict(s).items() if k != "api_key"}
+    if math.isinf(s.request_rate):
+        settings["request_rate"] = "inf"  # JSON has no infinity
+    report["settings"] = settings
+    report["model"] = model
+    report["per_request"] = [asdict(r) | {"tpot": r.tpot} for r in results]
+    return report
+
+
+def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
+    report = asyncio.run(run_serve_bench_async(s))
+    from specserve.bench.report import hardware_info, software_info, timestamp, write_json
+
+    report.update(timestamp=timestamp(), hardware=hardware_info(), software=software_info())
+    print(format_report(report))
+    if s.json_path:
+        write_json(report, s.json_path)
+    if s.plot_path:
+        plot_serve_report(report, s.plot_path)
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
+
+    def row(name: str, value: Any, spec: str = "") -> None:
+        lines.append(f"{name:<44}{value:>16{spec}}")
+
+    row("Successful requests:", r["completed"])
+    row("Failed requests:", r["failed"])
+    row("Benchmark duration (s):", r["duration_s"], ".2f")
+    row("Total input tokens:", r["total_input_tokens"])
+    row("Total generated tokens:", r["total_output_tokens"])
+    row("Request throughput (req/s):", r["request_throughput"], ".2f")
+    row("Output token throughput (tok/s):", r["output_throughput"], ".2f")
+    row("Total token throughput (tok/s):", r["total_token_throughput"], ".2f")
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):  # fmt: skip
+        lines.append("{:-^60}".format(f" {title} "))
+        for stat, v in r[key].items():
+            row(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} (ms):", v, ".2f")
+    spec = r.get("speculation")
+    if spec:
+        lines.append("{:-^60}".format(" Speculative Decoding "))
+        row("Drafts:", spec["num_drafts"])
+        row("Draft tokens:", spec["num_draft_tokens"])
+        row("Accepted tokens:", spec["num_accepted_tokens"])
+        row("Acceptance rate (%):", 100 * spec["acceptance_rate"], ".2f")
+        row("Mean acceptance length:", spec["mean_acceptance_length"], ".2f")
+        per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+        lines.append(f"Per-position acceptance: [{per_pos}]")
+    if r["errors"]:
+        lines.append("Errors: " + "; ".join(r["errors"]))
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def plot_serve_report(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    ok = [x for x in r["per_request"] if x["ok"]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = (
+        (axes[0][0], [x["ttft"] * 1000 for x in ok], "TTFT (ms)"),
+        (axes[0][1], [x["tpot"] * 1000 for x in ok if x["tpot"] is not None], "TPOT (ms)"),
+        (axes[1][0], [g * 1000 for x in ok for g in x["itl"]], "inter-token latency (ms)"),
+    )
+    for ax, xs, title in panels:
+        if xs:
+            ax.hist(xs, bins=40, color="tab:blue")
+        ax.set_title(title)
+        ax.set_ylabel("count")
+    ax = axes[1][1]
+    ax.scatter([x["start"] for x in ok], [x["e2e"] for x in ok], s=8, c="tab:orange")
+    ax.set_xlabel("arrival (s since start)")
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_title("latency over the run")
+    rate = r["settings"]["request_rate"]
+    fig.suptitle(
+        f"{r['model']}: {r['completed']} requests, rate {rate}, "
+        f"{r['output_throughput']:.1f} output tok/s",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def add_serve_bench(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench serve` on the `bench` command's subparsers."""
+    p = subparsers.add_parser(
+        "serve",
+        help="online benchmark against a running server (TTFT, TPOT, ITL, throughput)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--tokenizer", default=None, help="HF folder for ShareGPT length filtering")
+    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (default: inf)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1.0 = Poisson arrivals")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None, help="fixed output tokens per request")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream-granularity", choices=("step", "token"), default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--percentiles", default="50,90,99", help="comma-separated")
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG here")
+    p.set_defaults(func=cmd_serve_bench)
+    return p
+
+
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    s = ServeBenchSettings(
+        base_url=args.base_url.rstrip("/"),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        output_len=args.output_len,
+        input_len=args.input_len,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        stream_granularity=args.stream_granularity,
+        api_key=args.api_key,
+        seed=args.seed,
+        percentiles=tuple(float(p) for p in args.percentiles.split(",") if p),
+        json_path=args.json_path,
+        plot_path=args.plot_path,
+    )
+    report = run_serve_bench(s)
+    return 0 if report["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: `python -m specserve.bench.serve --base-url ...`."""
+    parser = argparse.ArgumentParser(prog="specserve bench")
+    add_serve_bench(parser.add_subparsers(dest="bench_command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

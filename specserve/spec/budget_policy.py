@@ -1,0 +1,91 @@
+"""Applies the verify budget to the drafts of the next step: calibrates the step-cost curve at
+start-up (cached per model/device/dtype/threads), records every step's time, and trims each
+request's drafts to the prefix the chooser picks."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.spec.step_cost import StepCostCurve, default_buckets
+from specserve.spec.verify_budget import choose_verify_budget
+
+if TYPE_CHECKING:
+    from specserve.engine.llm_engine import LLMEngine
+
+CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
+
+
+class VerifyBudgetPolicy:
+    def __init__(self, engine: LLMEngine, cache_root: Path | None) -> None:
+        self.engine = engine
+        k = engine.slot_pool.k
+        self.max_rows = engine.max_num_batched_tokens
+        self.curve = self._load_or_calibrate(default_buckets(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root)
+        self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
+        self.chosen_rows = 0
+        self.offered_rows = 0
+
+    # -- curve ----------------------------------------------------------------------------------
+    def _cache_path(self, root: Path | None, buckets: list[int]) -> Path | None:
+        if root is None:
+            return None
+        eng = self.engine
+        dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
+        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}"
+        return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+
+    def _load_or_calibrate(self, buckets: list[int], root: Path | None) -> StepCostCurve:
+        path = self._cache_path(root, buckets)
+        curve = StepCostCurve.load(path, buckets) if path is not None else None
+        if curve is None:
+            curve = StepCostCurve(buckets)
+            curve.calibrate(self._synthetic_step, reps=2)
+            if path is not None:
+                curve.save(path)
+        return curve
+
+    def _synthetic_step(self, rows: int) -> float:
+        """One forward + logits of `rows` decode/verify rows over the padding block (block 0 is
+        never handed out, so the writes land nowhere that matters)."""
+        eng = self.engine
+        n_req = max(1, min(rows, eng.config.max_num_seqs))
+        per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
+        blocks = [0] * ((CALIBRATION_CONTEXT + max(per)) // eng.config.block_size + 1)
+        inputs = eng.runner.prepare_rows(
+            [[1] * q for q in per], [CALIBRATION_CONTEXT] * n_req, [blocks] * n_req, per
+        )
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        logits = eng.runner.forward(inputs)
+        logits.argmax(-1).tolist()  # the step's one host sync, as in a real step
+        return time.perf_counter() - t0
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        self.curve.record(rows, seconds)
+
+    # -- the choice -----------------------------------------------------------------------------
+    def trim(self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]) -> list[int]:
+        """How many drafts each ready request verifies next step."""
+        sched = self.engine.scheduler
+        # rows the next step runs anyway: one per decode request + the prefill chunks it admits
+        prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+        free_seqs = sched.max_num_seqs - len(sched.running)
+        prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
+        base = len(ready) + min(prefill, max(0, self.max_rows - len(ready)))
+        usable = [c[: len(d)] for c, d in zip(confs, drafts)]
+        choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
+        self.offered_rows += sum(len(d) for d in drafts)
+        self.chosen_rows += sum(choice.num_verify)
+        self.expected_accepted += choice.expected_tokens - len(ready)
+        return choice.num_verify
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
