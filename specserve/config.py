@@ -42,11 +42,14 @@ class SpeculativeConfig:
                 "speculative_config",
             )
         known = {"prompt_lookup_min", "prompt_lookup_max", "model", "verify_budget"}
-        cfg = SpeculativeConfig(method, k, **{key: spec.pop(key) for key in list(spec) if key in known})
+        cfg = SpeculativeConfig(
+            method, k, **{key: spec.pop(key) for key in list(spec) if key in known}
+        )
         cfg.extra = spec
         if method == "draft_model" and not cfg.model:
             raise InvalidRequestError(
-                "speculative_config.model is required for method 'draft_model'", "speculative_config"
+                "speculative_config.model is required for method 'draft_model'",
+                "speculative_config",
             )
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise InvalidRequestError(

@@ -58,14 +58,18 @@ class LLM:
         return prompts
 
     @staticmethod
-    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)
         if len(params) != n:
-            raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts", "sampling_params")
+            raise InvalidRequestError(
+                f"got {len(params)} sampling params for {n} prompts", "sampling_params"
+            )
         return params
 
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
@@ -134,7 +138,9 @@ class LLM:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template", "messages")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
@@ -146,7 +152,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm)
+        return self.generate(
+            [self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm
+        )
 
     def stream(
         self,
@@ -194,7 +202,8 @@ class LLM:
             "spec_draft_tokens": spec.num_draft_tokens,
             "spec_accepted_tokens": spec.num_accepted_tokens,
             "spec_acceptance_per_position": [
-                a / v if v else 0.0 for a, v in zip(spec.accepted_per_position, spec.verified_per_position)
+                a / v if v else 0.0
+                for a, v in zip(spec.accepted_per_position, spec.verified_per_position)
             ],
             "spec_mean_acceptance_length": (
                 1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 1.0

@@ -69,14 +69,20 @@ class SamplingParams:
         if not (0.0 <= self.min_p <= 1.0):
             bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if not (-2.0 <= self.presence_penalty <= 2.0):
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+            bad(
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                "presence_penalty",
+            )
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             bad(
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
                 "frequency_penalty",
             )
         if not (self.repetition_penalty > 0.0):
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+            bad(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0:

@@ -44,7 +44,9 @@ def reference(llm, prompts):
     ids=["ngram", "self-draft"],
 )
 def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg):
-    spec = LLM(dtype="float32", device="cpu", progress=False, max_num_seqs=16, speculative_config=cfg)
+    spec = LLM(
+        dtype="float32", device="cpu", progress=False, max_num_seqs=16, speculative_config=cfg
+    )
     outs = spec.generate(prompts, GREEDY, use_tqdm=False)
     for ref, out in zip(reference, outs):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -67,14 +69,20 @@ def test_stop_string_across_tokens_trims_text_tokens_and_logprobs(llm, prompts, 
     first = ref.text.index(stop)
     end_tok = next(i for i, p in enumerate(pieces) if len(p) >= first + len(stop))
     for cfg in [None, {"method": "draft_model", "num_speculative_tokens": 4, "model": "self"}]:
-        eng = llm if cfg is None else LLM(dtype="float32", device="cpu", progress=False, speculative_config=cfg)
+        eng = (
+            llm
+            if cfg is None
+            else LLM(dtype="float32", device="cpu", progress=False, speculative_config=cfg)
+        )
         sp = SamplingParams(temperature=0, max_tokens=128, stop=[stop], logprobs=2)
         c = eng.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == stop
         assert c.text == ref.text[:first]
         assert c.token_ids == ref.token_ids[: end_tok + 1]
         assert len(c.logprobs) == len(c.token_ids)
-        sp = SamplingParams(temperature=0, max_tokens=128, stop=[stop], include_stop_str_in_output=True)
+        sp = SamplingParams(
+            temperature=0, max_tokens=128, stop=[stop], include_stop_str_in_output=True
+        )
         c = eng.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0]
         assert c.text == ref.text[: first + len(stop)]
 

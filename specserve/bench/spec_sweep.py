@@ -56,7 +56,9 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
     )
 
 
-def _closed_loop(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[int, float, int]:
+def _closed_loop(
+    llm, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[int, float, int]:
     from specserve import SamplingParams
 
     eng = llm.engine
@@ -146,7 +148,11 @@ def _checks(points: list[SweepPoint], levels: list[int]) -> dict[str, Any]:
             f"C={c}: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f}, fixed/off "
             f"{fixed / off:.3f} -> {'ok' if good else 'MISSED'}"
         )
-    return {"all_ok": ok, "lines": lines, "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels)}
+    return {
+        "all_ok": ok,
+        "lines": lines,
+        "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels),
+    }
 
 
 def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse.Namespace) -> None:
@@ -157,13 +163,26 @@ def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, style in zip(MODES, ("o-", "s--", "^-")):
-        ys = [next(p.tok_s for p in points if p.mode == mode and p.concurrency == c) for c in levels]
-        ax.plot(levels, ys, style, label={"off": "no speculation", "fixed": f"fixed k={args.k}", "auto": "verify budget auto"}[mode])
+        ys = [
+            next(p.tok_s for p in points if p.mode == mode and p.concurrency == c) for c in levels
+        ]
+        ax.plot(
+            levels,
+            ys,
+            style,
+            label={
+                "off": "no speculation",
+                "fixed": f"fixed k={args.k}",
+                "auto": "verify budget auto",
+            }[mode],
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{args.method} speculation, {args.dataset}, {args.max_tokens} tokens, {hardware_info().get('device', '')}")
+    ax.set_title(
+        f"{args.method} speculation, {args.dataset}, {args.max_tokens} tokens, {hardware_info().get('device', '')}"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -171,7 +190,9 @@ def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse
 
 
 def add_sweep_parser(sub: Any) -> None:
-    p = sub.add_parser("spec-sweep", help="throughput vs concurrency: speculation off / fixed k / auto budget")
+    p = sub.add_parser(
+        "spec-sweep", help="throughput vs concurrency: speculation off / fixed k / auto budget"
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     p.add_argument("--draft-model", default="self")

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M-Instruct")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M-Instruct",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -83,7 +90,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args))
     params = sampling_params(args)
     use_template = not args.no_chat_template and getattr(llm.tokenizer, "chat_template", None)
-    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p for p in prompts]
+    inputs = [
+        llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p
+        for p in prompts
+    ]
     t0 = time.perf_counter()
     ntok = 0
     if len(inputs) == 1:
@@ -95,7 +105,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"\n[finish_reason={out.finish_reason}]", file=sys.stderr)
     else:
         for i, res in enumerate(llm.generate(inputs, params)):
-            print(f"=== {i}: {prompts[i]!r}\n{res.outputs[0].text}\n[finish_reason={res.outputs[0].finish_reason}]")
+            print(
+                f"=== {i}: {prompts[i]!r}\n{res.outputs[0].text}\n[finish_reason={res.outputs[0].finish_reason}]"
+            )
             ntok += len(res.outputs[0].token_ids)
     dt = time.perf_counter() - t0
     print(f"[{ntok} tokens in {dt:.2f} s, {ntok / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)

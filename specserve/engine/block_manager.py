@@ -41,7 +41,9 @@ class BlockManager:
     Invariant: free + used == total at every step.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         assert num_blocks >= 2, "need at least one usable block besides the padding block"
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -101,7 +101,9 @@ class Ledger:
         now = time.perf_counter()
         r = 0  # index among sampling requests
         row = 0  # first row of request r in the verify layout
-        for seq, qlen, nd, samples in zip(batch.seqs, batch.query_lens, batch.num_drafts, batch.samples):
+        for seq, qlen, nd, samples in zip(
+            batch.seqs, batch.query_lens, batch.num_drafts, batch.samples
+        ):
             if not samples:  # mid-prefill chunk: all rows kept, nothing emitted
                 seq.commit_processed_tokens(qlen)
                 self._register_blocks(seq)
@@ -162,7 +164,9 @@ class Ledger:
             if seq.params.logprobs is not None:
                 top = {tok: Logprob(out.logprob, res.token_ranks[row], self._decode(tok))}
                 n = seq.params.logprobs
-                for rank, (tid, lp) in enumerate(zip(res.top_ids[row][:n], res.top_logprobs[row][:n])):
+                for rank, (tid, lp) in enumerate(
+                    zip(res.top_ids[row][:n], res.top_logprobs[row][:n])
+                ):
                     if tid not in top:
                         top[tid] = Logprob(_clamp(lp), rank + 1, self._decode(tid))
                 out.top_logprobs = top

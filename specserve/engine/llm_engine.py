@@ -66,7 +66,9 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
@@ -93,9 +95,13 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
-        eos = frozenset(mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else []))
+        eos = frozenset(
+            mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else [])
+        )
         self.eos_ids = eos
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -105,7 +111,9 @@ class LLMEngine:
         )
         # two steps of outputs live at once, each at most every row of a step plus the requests
         # that end without a token in it (aborts, prompt too long)
-        cap = config.output_pool_capacity or 2 * (self.max_num_batched_tokens + 4 * config.max_num_seqs)
+        cap = config.output_pool_capacity or 2 * (
+            self.max_num_batched_tokens + 4 * config.max_num_seqs
+        )
         self.pool = OutputPool(cap)
         self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
         self.sampler = StepSampler(self.device, eos)
@@ -132,7 +140,9 @@ class LLMEngine:
             budget = int(free * 0.85)
         else:
             budget = 2 * 2**30
-        useful = cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1) + 1
+        useful = (
+            cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1) + 1
+        )
         return max(2, min(budget // per_block, useful))
 
     # -- requests ---------------------------------------------------------------------------
@@ -216,7 +226,10 @@ class LLMEngine:
                 host = self.sampler.run(logits, seqs, drafts, q)[1]
                 if self.slot_pool is not None:
                     host = host._replace(
-                        draft_confidences=[self.slot_pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
+                        draft_confidences=[
+                            self.slot_pool.confidence[s.slot][: len(d)]
+                            for s, d in zip(seqs, drafts)
+                        ]
                     )
                     for s, d, acc in zip(seqs, drafts, host.num_accepted):
                         if d:

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from specserve.engine.sequence import FinishReason, SeqStatus, Sequence
 from specserve.spec.slots import DraftSlotPool
 
 
@@ -132,7 +132,9 @@ class Scheduler:
                     if not self._fits(seq, blocks, rows):
                         break
                     self.bm.take_cached(seq.block_table, blocks, hashes)
-                    seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.bm.block_size
+                    seq.num_computed_tokens = seq.num_cached_tokens = (
+                        len(blocks) * self.bm.block_size
+                    )
                 else:
                     rows = min(seq.num_uncomputed_tokens, budget)
                     if not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):

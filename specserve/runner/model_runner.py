@@ -18,8 +18,17 @@ class StepInputs(NamedTuple):
     logit_rows: torch.Tensor  # [total_q] int64, rows of the verify layout inside the T rows
 
 
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+def kv_bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    return (
+        2
+        * num_layers
+        * block_size
+        * num_kv_heads
+        * head_dim
+        * torch.tensor([], dtype=dtype).element_size()
+    )
 
 
 class ModelRunner:
@@ -40,7 +49,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            KVCache(
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(num_layers)
         ]
 

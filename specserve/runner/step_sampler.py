@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.ledger import HostStepResult
-from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
 from specserve.ops.logprobs import compute_logprobs
 from specserve.ops.penalties import apply_penalties
@@ -125,7 +124,7 @@ class StepSampler:
         if not rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = float(
-            "-inf"
+        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = (
+            float("-inf")
         )
         return logits

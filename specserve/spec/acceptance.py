@@ -54,7 +54,11 @@ class AcceptanceEstimator:
         own = self.per_request.get(request_id)
         out = []
         for j in range(n):
-            src = own if own is not None and own.samples(j) >= MIN_REQUEST_SAMPLES else self.global_rates
+            src = (
+                own
+                if own is not None and own.samples(j) >= MIN_REQUEST_SAMPLES
+                else self.global_rates
+            )
             out.append(src.rate(j))
         return out
 

@@ -26,7 +26,9 @@ class VerifyBudgetPolicy:
         self.engine = engine
         k = engine.slot_pool.k
         self.max_rows = engine.max_num_batched_tokens
-        self.curve = self._load_or_calibrate(default_buckets(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root)
+        self.curve = self._load_or_calibrate(
+            default_buckets(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
+        )
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -70,7 +72,9 @@ class VerifyBudgetPolicy:
         self.curve.record(rows, seconds)
 
     # -- the choice -----------------------------------------------------------------------------
-    def trim(self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]) -> list[int]:
+    def trim(
+        self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]
+    ) -> list[int]:
         """How many drafts each ready request verifies next step."""
         sched = self.engine.scheduler
         # rows the next step runs anyway: one per decode request + the prefill chunks it admits

@@ -68,7 +68,9 @@ class DraftModelDrafter:
         return done if pre == seq.num_preemptions else 0
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+    def propose(
+        self, seqs: list[Sequence], limits: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
         eng = self.engine
         bm = eng.block_manager
         active: list[int] = []
@@ -122,5 +124,8 @@ class DraftModelDrafter:
         for i in active:
             seq = seqs[i]
             # fed: the catch-up through num_tokens - 1, then drafts 1..k-1
-            self._computed[seq.request_id] = (seq.num_tokens + len(drafts[i]) - 1, seq.num_preemptions)
+            self._computed[seq.request_id] = (
+                seq.num_tokens + len(drafts[i]) - 1,
+                seq.num_preemptions,
+            )
         return list(zip(drafts, confs))

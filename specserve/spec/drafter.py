@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 class Drafter(Protocol):
     has_q: bool  # stores a draft distribution per draft (else q is one-hot)
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+    def propose(
+        self, seqs: list[Sequence], limits: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
         """Up to limits[i] drafts for each request, with a confidence per draft. Drafters with
         q write it into the slot pool rows of each request's slot."""
         ...

@@ -50,7 +50,9 @@ class NgramDrafter:
         self._index: dict[str, NgramIndex] = {}
         self.acceptance = AcceptanceEstimator()
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list[float]]]:
+    def propose(
+        self, seqs: list[Sequence], limits: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
         out = []
         for seq, k in zip(seqs, limits):
             idx = self._index.get(seq.request_id)

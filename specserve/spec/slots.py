@@ -28,7 +28,9 @@ class DraftSlotPool:
         # (the GPU overlap path will keep device copies indexed the same way)
         self.token_ids: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.confidence: list[list[float]] = [[] for _ in range(num_slots + 1)]
-        self.q = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device) if store_q else None
+        self.q = (
+            torch.zeros(rows, vocab_size, dtype=torch.float32, device=device) if store_q else None
+        )
         self._free = list(range(num_slots, 0, -1))
 
     @property

@@ -93,7 +93,9 @@ class StepCostCurve:
     # -- cache ----------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"buckets": self.buckets, "samples": [list(s) for s in self._samples]}))
+        path.write_text(
+            json.dumps({"buckets": self.buckets, "samples": [list(s) for s in self._samples]})
+        )
 
     @classmethod
     def load(cls, path: Path, buckets: list[int]) -> StepCostCurve | None:

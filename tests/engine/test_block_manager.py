@@ -39,7 +39,11 @@ def test_divergent_suffix_does_not_match():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 5)), min_size=1, max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 5)), min_size=1, max_size=60
+    )
+)
 def test_free_plus_used_is_total_under_random_ops(ops):
     bm = BlockManager(num_blocks=24, block_size=4)
     tables: list[tuple[BlockTable, list[int]]] = []
@@ -48,7 +52,10 @@ def test_free_plus_used_is_total_under_random_ops(ops):
             toks = [(seed * 7 + i // 5) % 11 for i in range(n)]
             t = BlockTable()
             blocks, hashes = bm.match_prefix(toks)
-            if bm.blocks_needed(n) - len(blocks) + sum(bm.blocks[b].ref_count == 0 for b in blocks) > bm.num_free_blocks:
+            if (
+                bm.blocks_needed(n) - len(blocks) + sum(bm.blocks[b].ref_count == 0 for b in blocks)
+                > bm.num_free_blocks
+            ):
                 continue
             bm.take_cached(t, blocks, hashes)
             bm.allocate(t, n)

@@ -36,7 +36,9 @@ def test_preemption_recomputes_to_the_same_output():
     prompts = prompts_of([30, 31, 29, 33, 35, 28, 40, 27], seed=3)
     ref = _tokens(make_llm(max_num_seqs=8).generate(prompts, GREEDY, use_tqdm=False))
     # 14 usable blocks of 16 tokens cannot hold 8 requests of ~55 tokens: preemption must happen
-    small = make_llm(max_num_seqs=8, kv_cache_memory_gb=15 * 8192 / 2**30, enable_prefix_caching=False)
+    small = make_llm(
+        max_num_seqs=8, kv_cache_memory_gb=15 * 8192 / 2**30, enable_prefix_caching=False
+    )
     assert small.engine.block_manager.num_usable_blocks == 14
     outs = small.generate(prompts, GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -69,13 +71,19 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     ref = tiny_llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_tok = ref[3]
     first = ref.index(stop_tok)
-    out = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = tiny_llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     c = out.outputs[0]
     assert c.token_ids == ref[: first + 1]  # the stop token is the last token, nothing after
     assert c.finish_reason == "stop" and c.stop_reason == stop_tok
     assert out.metrics.num_output_tokens == len(c.token_ids)
     # min_tokens masks the stop id until min_tokens tokens are out
-    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok], min_tokens=first + 2)
+    sp = SamplingParams(
+        temperature=0, max_tokens=24, stop_token_ids=[stop_tok], min_tokens=first + 2
+    )
     c = tiny_llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert stop_tok not in c.token_ids[: first + 2]
     assert len(c.token_ids) >= first + 2
@@ -84,12 +92,18 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
 def test_max_tokens_and_max_model_len():
     llm = make_llm(max_model_len=40)
     prompt = prompts_of([30], seed=2)[0]
-    c = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    c = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(c.token_ids) == 5 and c.finish_reason == "length"
-    c = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    c = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(c.token_ids) == 10 and c.finish_reason == "length"  # 30 + 10 = max_model_len
     outs = llm.generate(
-        [prompts_of([41])[0], prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+        [prompts_of([41])[0], prompt],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
     )
     assert outs[0].outputs[0].finish_reason == "prompt_length_exceeded"
     assert outs[0].outputs[0].token_ids == []

@@ -17,7 +17,10 @@ def _engine():
     # one small engine for all examples: 10 usable blocks of 16 tokens force preemption
     if "llm" not in _ENGINE:
         _ENGINE["llm"] = make_llm(
-            max_num_seqs=6, max_num_batched_tokens=24, kv_cache_memory_gb=11 * 8192 / 2**30, max_model_len=120
+            max_num_seqs=6,
+            max_num_batched_tokens=24,
+            kv_cache_memory_gb=11 * 8192 / 2**30,
+            max_model_len=120,
         )
     return _ENGINE["llm"].engine
 
@@ -51,12 +54,15 @@ def test_ledger_invariants_hold_over_random_workloads(reqs, seed):
             prompt = [rng.randrange(3, 49000) for _ in range(r["prompt_len"])]
             stop = [r["stop_pick"]] if r["stop_pick"] is not None else None
             sp = SamplingParams(
-                temperature=r["temperature"], max_tokens=r["max_tokens"], stop_token_ids=stop, ignore_eos=r["ignore_eos"]
+                temperature=r["temperature"],
+                max_tokens=r["max_tokens"],
+                stop_token_ids=stop,
+                ignore_eos=r["ignore_eos"],
             )
             seq = eng.add_request(prompt, sp)
             seqs[seq.request_id] = (seq, r)
             emitted[seq.request_id] = []
-        for rid, (seq, r) in seqs.items():
+        for rid, (_seq, r) in seqs.items():
             if r["abort_at"] is not None and r["abort_at"] == tick and rid not in finished:
                 eng.abort(rid)
         step_before = eng.scheduler.step_id
@@ -90,7 +96,9 @@ def test_ledger_invariants_hold_over_random_workloads(reqs, seed):
         if reason == "length":
             assert len(emitted[rid]) == r["max_tokens"] or seq.num_tokens >= eng.max_model_len
         elif reason == "stop":
-            assert emitted[rid][-1] in (set(r["stop_pick"] is not None and [r["stop_pick"]] or []) | eng.eos_ids)
+            assert emitted[rid][-1] in (
+                set(r["stop_pick"] is not None and [r["stop_pick"]] or []) | eng.eos_ids
+            )
         elif reason == "prompt_length_exceeded":
             assert not emitted[rid]
         else:

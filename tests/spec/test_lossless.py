@@ -35,8 +35,14 @@ def _first_tokens(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     drafts = (q / -torch.log(u)).argmax(-1)
     drafts = torch.stack([drafts[0::2], torch.zeros(N, dtype=torch.int64)], 1).reshape(-1)
     res = verify(logits, drafts, q, t, layout)
-    first = torch.where(res.verified_token_ids[0::2] >= 0, res.verified_token_ids[0::2].long(), res.sampled_token_ids)
-    p = target_probs(target_logits.unsqueeze(0), SamplingTensors.build([params], [0], [0], "cpu"))[0]
+    first = torch.where(
+        res.verified_token_ids[0::2] >= 0,
+        res.verified_token_ids[0::2].long(),
+        res.sampled_token_ids,
+    )
+    p = target_probs(target_logits.unsqueeze(0), SamplingTensors.build([params], [0], [0], "cpu"))[
+        0
+    ]
     return first, p
 
 

@@ -44,7 +44,11 @@ class CorruptingDrafter:
 def _engine():
     if "llm" not in _ENGINE:
         llm = make_llm(
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": "self"},
+            speculative_config={
+                "method": "draft_model",
+                "num_speculative_tokens": 4,
+                "model": "self",
+            },
             max_num_seqs=6,
             max_num_batched_tokens=24,
             kv_cache_memory_gb=13 * 8192 / 2**30,
@@ -103,7 +107,7 @@ def test_spec_invariants_over_random_workloads(reqs, seed):
                 seq = eng.add_request(prompt, sp)
                 seqs[seq.request_id] = (seq, r)
                 emitted[seq.request_id], texts[seq.request_id] = [], []
-            for rid, (seq, r) in seqs.items():
+            for rid, (_seq, r) in seqs.items():
                 if r["abort_at"] == tick and rid not in finished:
                     eng.abort(rid)
             captured.clear()
@@ -119,7 +123,9 @@ def test_spec_invariants_over_random_workloads(reqs, seed):
                     finished[o.request_id] = o.finish_reason
             if "res" in captured and captured["res"] is not None:
                 batch, res = captured["batch"], captured["res"]
-                sampling = [(s, nd) for s, nd, sm in zip(batch.seqs, batch.num_drafts, batch.samples) if sm]
+                sampling = [
+                    (s, nd) for s, nd, sm in zip(batch.seqs, batch.num_drafts, batch.samples) if sm
+                ]
                 row = 0
                 for r_i, (s, nd) in enumerate(sampling):
                     rows = res.verified_token_ids[row : row + nd + 1]

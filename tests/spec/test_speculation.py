@@ -6,7 +6,12 @@ import pytest
 from specserve import SamplingParams
 from tests.engine.conftest import make_llm, prompts_of
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 SELF = {"method": "draft_model", "num_speculative_tokens": 4, "model": "self"}
 TINY_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "model": "dummy:tiny"}
 
@@ -65,7 +70,10 @@ def test_greedy_speculation_under_preemption(off):
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ref = _ids(off.generate(prompts, sp, use_tqdm=False))
     llm = make_llm(
-        speculative_config=SELF, debug_invariants=True, kv_cache_memory_gb=15 * 8192 / 2**30, enable_prefix_caching=False
+        speculative_config=SELF,
+        debug_invariants=True,
+        kv_cache_memory_gb=15 * 8192 / 2**30,
+        enable_prefix_caching=False,
     )
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -99,7 +107,9 @@ def test_acceptance_is_not_overcounted_when_a_stop_lands_inside_the_accepted_pre
     stop = ref[9]
     cut = ref.index(stop) + 1
     llm = make_llm(speculative_config=SELF, debug_invariants=True)
-    outs = list(llm.stream([prompt], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])))
+    outs = list(
+        llm.stream([prompt], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop]))
+    )
     toks = [o.token_id for o in outs]
     assert toks == ref[:cut]
     anchors = [o for o in outs if o.is_anchor]
@@ -132,14 +142,22 @@ def test_drafted_eos_does_not_finish_early_and_min_tokens_holds(off):
 def test_penalties_see_the_drafts_before_each_verify_row(off):
     """vLLM #18902: frequency penalty ignored under speculation."""
     prompts = _repetitive_prompts(3, seed=8)
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5)
+    sp = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5
+    )
     ref = _ids(off.generate(prompts, sp, use_tqdm=False))
-    plain = _ids(off.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False))
+    plain = _ids(
+        off.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+        )
+    )
     assert ref != plain  # the penalty changes the output, so the test can fail
     llm = make_llm(speculative_config=SELF, debug_invariants=True)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == ref
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3)
-    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(off.generate(prompts, sp, use_tqdm=False))
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(
+        off.generate(prompts, sp, use_tqdm=False)
+    )
 
 
 def test_logprobs_under_speculation_come_from_the_target(off):
@@ -169,4 +187,10 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path):
     cfg = dict(PRESETS["tiny"], vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="vocabulary"):
-        make_llm(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": f"dummy:{tmp_path}"})
+        make_llm(
+            speculative_config={
+                "method": "draft_model",
+                "num_speculative_tokens": 2,
+                "model": f"dummy:{tmp_path}",
+            }
+        )

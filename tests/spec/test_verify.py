@@ -17,7 +17,9 @@ def _layout(seqlens):
 def test_prefix_acceptance_matches_a_row_by_row_reference(seqlens, data):
     layout = _layout(seqlens)
     check_layout(layout)
-    accept = torch.tensor(data.draw(st.lists(st.booleans(), min_size=sum(seqlens), max_size=sum(seqlens))))
+    accept = torch.tensor(
+        data.draw(st.lists(st.booleans(), min_size=sum(seqlens), max_size=sum(seqlens)))
+    )
     accepted, num_acc = prefix_accept(accept, layout)
     row = 0
     for i, s in enumerate(seqlens):

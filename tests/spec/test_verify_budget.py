@@ -57,7 +57,9 @@ def test_scaling_all_survivals_up_never_shrinks_the_budget(conf, points, base, f
 
 def test_zero_confidence_verifies_nothing_and_certain_drafts_are_taken():
     flat = lambda rows: 1.0  # noqa: E731 - rows are free: only confidence matters
-    choice = choose_verify_budget([[0.0, 0.9, 0.9], [1.0, 1.0]], base_rows=2, step_time=flat, max_rows=64)
+    choice = choose_verify_budget(
+        [[0.0, 0.9, 0.9], [1.0, 1.0]], base_rows=2, step_time=flat, max_rows=64
+    )
     assert choice.num_verify == [0, 2]
     steep = lambda rows: float(rows)  # noqa: E731 - each row costs as much as a step
     assert choose_verify_budget([[0.3, 0.3]], 1, steep, 64).num_verify == [0]
