@@ -18,7 +18,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from specserve.bench.datasets import BenchRequest
@@ -47,6 +47,7 @@ class ServeBenchSettings:
     temperature: float = 0.0
     stream_granularity: str | None = None
     api_key: str | None = None
+    ready_timeout: float = 0.0  # seconds to wait for /health before starting
     seed: int = 0
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     json_path: str | None = None
@@ -85,7 +86,7 @@ def build_requests(s: ServeBenchSettings) -> list[BenchRequest]:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(s.tokenizer)
-    else:
+    else:  # the default model's (SmolLM2), also what dummy: models use
         from specserve.model.loader import default_tokenizer
 
         tok = default_tokenizer()
@@ -153,6 +154,21 @@ async def _arrivals(s: ServeBenchSettings, n: int) -> Any:
         await asyncio.sleep(rng.gammavariate(s.burstiness, theta))
 
 
+async def _wait_ready(http: Any, timeout: float) -> None:
+    """Poll /health until the server answers (it may still be loading the model)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if (await http.get("/health")).status_code == 200:
+                return
+        except Exception:
+            if time.monotonic() >= deadline:
+                raise
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(0.5)
+
+
 async def _scrape(http: Any) -> dict[str, float]:
     from specserve.server.metrics import parse_prometheus
 
@@ -165,18 +181,17 @@ async def _scrape(http: Any) -> dict[str, float]:
 def _spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
     from specserve.server.metrics import sample
 
-    d = {n: sample(after, n) - sample(before, n) for n in SPEC_COUNTERS}
-    drafts, draft_tokens, accepted = (d[n] for n in SPEC_COUNTERS)
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    drafts, draft_tokens, accepted = (delta(n) for n in SPEC_COUNTERS)
     if drafts <= 0:
         return None
-    per_pos = []
-    for j in range(64):
-        ver = sample(after, "spec_decode_num_verified_tokens_per_pos_total", position=str(j))
-        ver -= sample(before, "spec_decode_num_verified_tokens_per_pos_total", position=str(j))
-        if ver <= 0:
-            break
-        acc = sample(after, "spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
-        acc -= sample(before, "spec_decode_num_accepted_tokens_per_pos_total", position=str(j))
+    per_pos: list[float] = []
+    while (
+        ver := delta("spec_decode_num_verified_tokens_per_pos_total", position=str(len(per_pos)))
+    ) > 0:
+        acc = delta("spec_decode_num_accepted_tokens_per_pos_total", position=str(len(per_pos)))
         per_pos.append(acc / ver)
     return {
         "num_drafts": int(drafts),
@@ -195,9 +210,11 @@ def _stats(xs: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     ms = sorted(x * 1000 for x in xs)
     out = {"mean": statistics.fmean(ms), "median": statistics.median(ms)}
     out["std"] = statistics.pstdev(ms)
-    for p in percentiles:
-        k = min(len(ms) - 1, max(0, math.ceil(p / 100 * len(ms)) - 1))
-        out[f"p{p:g}"] = ms[k]
+    for p in percentiles:  # linear interpolation, as numpy.percentile (and vLLM) do
+        pos = p / 100 * (len(ms) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ms) - 1)
+        out[f"p{p:g}"] = ms[lo] + (ms[hi] - ms[lo]) * (pos - lo)
     return out
 
 
@@ -235,6 +252,7 @@ async def run_serve_bench_async(s: ServeBenchSettings) -> dict[str, Any]:
     async with httpx.AsyncClient(
         base_url=s.base_url, headers=headers, limits=limits, timeout=timeout
     ) as http:
+        await _wait_ready(http, s.ready_timeout)
         model = s.model
         if model is None:
             resp = await http.get("/v1/models")
@@ -279,39 +297,39 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
     return report
 
 
+_ROWS = (("Successful requests:", "completed", ""), ("Failed requests:", "failed", ""),
+         ("Benchmark duration (s):", "duration_s", ".2f"), ("Total input tokens:", "total_input_tokens", ""),
+         ("Total generated tokens:", "total_output_tokens", ""),
+         ("Request throughput (req/s):", "request_throughput", ".2f"),
+         ("Output token throughput (tok/s):", "output_throughput", ".2f"),
+         ("Total token throughput (tok/s):", "total_token_throughput", ".2f"))  # fmt: skip
+_LATENCIES = (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
+              ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency"))  # fmt: skip
+_SPEC_ROWS = (("Drafts:", "num_drafts", ""), ("Draft tokens:", "num_draft_tokens", ""),
+              ("Accepted tokens:", "num_accepted_tokens", ""), ("Acceptance rate:", "acceptance_rate", ".3f"),
+              ("Mean acceptance length:", "mean_acceptance_length", ".2f"))  # fmt: skip
+
+
 def format_report(r: dict[str, Any]) -> str:
+    """The table `vllm bench serve` prints, plus speculation."""
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
-
-    def row(name: str, value: Any, spec: str = "") -> None:
-        lines.append(f"{name:<44}{value:>16{spec}}")
-
-    row("Successful requests:", r["completed"])
-    row("Failed requests:", r["failed"])
-    row("Benchmark duration (s):", r["duration_s"], ".2f")
-    row("Total input tokens:", r["total_input_tokens"])
-    row("Total generated tokens:", r["total_output_tokens"])
-    row("Request throughput (req/s):", r["request_throughput"], ".2f")
-    row("Output token throughput (tok/s):", r["output_throughput"], ".2f")
-    row("Total token throughput (tok/s):", r["total_token_throughput"], ".2f")
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):  # fmt: skip
+    lines += [f"{name:<44}{r[key]:>16{fmt}}" for name, key, fmt in _ROWS]
+    for key, title in _LATENCIES:
         lines.append("{:-^60}".format(f" {title} "))
-        for stat, v in r[key].items():
-            row(f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} (ms):", v, ".2f")
-    spec = r.get("speculation")
-    if spec:
+        lines += [
+            f"{(k.upper() if k[0] == 'p' else k.capitalize()) + ' (ms):':<44}{v:>16.2f}"
+            for k, v in r[key].items()
+        ]
+    if spec := r.get("speculation"):
         lines.append("{:-^60}".format(" Speculative Decoding "))
-        row("Drafts:", spec["num_drafts"])
-        row("Draft tokens:", spec["num_draft_tokens"])
-        row("Accepted tokens:", spec["num_accepted_tokens"])
-        row("Acceptance rate (%):", 100 * spec["acceptance_rate"], ".2f")
-        row("Mean acceptance length:", spec["mean_acceptance_length"], ".2f")
-        per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
-        lines.append(f"Per-position acceptance: [{per_pos}]")
+        lines += [f"{name:<44}{spec[key]:>16{fmt}}" for name, key, fmt in _SPEC_ROWS]
+        lines.append(
+            "Per-position acceptance: "
+            + ", ".join(f"{a:.2f}" for a in spec["acceptance_per_position"])
+        )
     if r["errors"]:
         lines.append("Errors: " + "; ".join(r["errors"]))
-    lines.append("=" * 60)
-    return "\n".join(lines)
+    return "\n".join([*lines, "=" * 60])
 
 
 def plot_serve_report(r: dict[str, Any], path: str) -> None:
@@ -334,7 +352,7 @@ def plot_serve_report(r: dict[str, Any], path: str) -> None:
         ax.set_ylabel("count")
     ax = axes[1][1]
     ax.scatter([x["start"] for x in ok], [x["e2e"] for x in ok], s=8, c="tab:orange")
-    ax.set_xlabel("arrival (s since start)")
+    ax.set_xlabel("request sent (s since start)")
     ax.set_ylabel("end-to-end latency (s)")
     ax.set_title("latency over the run")
     rate = r["settings"]["request_rate"]
@@ -373,6 +391,7 @@ def add_serve_bench(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stream-granularity", choices=("step", "token"), default=None)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--ready-timeout", type=float, default=0.0, help="wait this long for /health")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentiles", default="50,90,99", help="comma-separated")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
@@ -382,26 +401,11 @@ def add_serve_bench(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    s = ServeBenchSettings(
-        base_url=args.base_url.rstrip("/"),
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        output_len=args.output_len,
-        input_len=args.input_len,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        stream_granularity=args.stream_granularity,
-        api_key=args.api_key,
-        seed=args.seed,
-        percentiles=tuple(float(p) for p in args.percentiles.split(",") if p),
-        json_path=args.json_path,
-        plot_path=args.plot_path,
-    )
+    # the flags are named after the settings fields; only these two need converting
+    known = {f.name for f in fields(ServeBenchSettings)}
+    s = ServeBenchSettings(**{k: v for k, v in vars(args).items() if k in known})
+    s.base_url = s.base_url.rstrip("/")
+    s.percentiles = tuple(float(p) for p in str(args.percentiles).split(",") if p)
     report = run_serve_bench(s)
     return 0 if report["completed"] else 1
 

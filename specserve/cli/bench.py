@@ -65,6 +65,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from specserve.bench.spec_sweep import add_sweep_parser
 
     add_sweep_parser(sub)
+    try:
+        from specserve.bench.serve import add_serve_bench
+
+        add_serve_bench(sub)
+    except ImportError:  # pragma: no cover - server extras missing
+        pass
     bench.set_defaults(func=run_bench)
     return bench
 

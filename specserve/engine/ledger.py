@@ -117,8 +117,9 @@ class Ledger:
             for j, tok in enumerate(tokens):
                 seq.token_ids.append(tok)
                 pushed += 1
-                outputs.append(self._token_output(seq, tok, row + j, res, step))
+                # the stop check feeds the detokenizer, so it runs before the output takes its text
                 stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
+                outputs.append(self._token_output(seq, tok, row + j, res, step))
                 if stop is not None:
                     break
             # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts

@@ -18,8 +18,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specserve.engine.llm_engine import LLMEngine
@@ -27,62 +27,10 @@ from specserve.engine.outputs import TokenOutput
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.server.errors import ServerError, internal_error
 from specserve.server.metrics import EngineSnapshot, ServerMetrics
+from specserve.server.stream import RequestStream, StepUpdate, TokenDelta, deliver_threadsafe
 
 log = logging.getLogger("specserve.server")
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    """One emitted token, copied out of the pooled TokenOutput."""
-
-    token_id: int  # -1: no token (text flushed by a terminal output)
-    text: str
-    logprob: float | None
-    # (token id, logprob, token text, rank): the sampled token first, then the top-N by rank
-    top_logprobs: list[tuple[int, float, str, int | None]] | None
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What one engine step produced for one engine request (= one choice)."""
-
-    index: int  # choice index in the HTTP request
-    tokens: list[TokenDelta] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    error: ServerError | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(1 for t in self.tokens if t.token_id >= 0)
-
-
-class RequestStream:
-    """The asyncio side of one HTTP request: the step updates of its n engine requests."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_ids: list[str]) -> None:
-        self.loop = loop
-        self.request_ids = request_ids
-        self.num_prompt_tokens: list[int] = [0] * len(request_ids)
-        self._queue: asyncio.Queue[StepUpdate] = asyncio.Queue()
-
-    def put_threadsafe(self, update: StepUpdate) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._queue.put_nowait, update)
-        except RuntimeError:  # event loop closed: the server is shutting down
-            pass
-
-    async def updates(self) -> AsyncIterator[StepUpdate]:
-        """Yield updates until every choice finished; an engine failure raises its ServerError."""
-        remaining = len(self.request_ids)
-        while remaining:
-            update = await self._queue.get()
-            if update.error is not None:
-                raise update.error
-            if update.finish_reason is not None:
-                remaining -= 1
-            yield update
 
 
 @dataclass(slots=True)
@@ -321,6 +269,7 @@ class AsyncEngine:
             upd.tokens.append(TokenDelta(out.token_id, out.text, out.logprob, top))
             if out.finished:
                 upd.finish_reason, upd.stop_reason = out.finish_reason, out.stop_reason
+        batch: list[tuple[RequestStream, StepUpdate]] = []
         for rid, upd in updates.items():
             live = self._live[rid]
             n = upd.num_tokens
@@ -340,7 +289,8 @@ class AsyncEngine:
                 self.metrics.on_finished(
                     upd.finish_reason, now - live.arrival, first_to_last, live.num_output_tokens
                 )
-            live.stream.put_threadsafe(upd)
+            batch.append((live.stream, upd))
+        deliver_threadsafe(batch)
 
     def _recover(self, exc: Exception) -> None:
         """After a failed step: fail the requests of its batch, keep the others queued."""

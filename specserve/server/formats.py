@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specserve.server.async_engine import TokenDelta
 from specserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -26,6 +25,7 @@ from specserve.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from specserve.server.stream import TokenDelta
 
 
 @dataclass

@@ -13,16 +13,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.sampling_params import InvalidRequestError, SamplingParams
-from specserve.server.async_engine import AsyncEngine, RequestStream, StepUpdate, TokenDelta
+from specserve.server.async_engine import AsyncEngine
 from specserve.server.errors import ServerError, bad_request, internal_error
 from specserve.server.formats import ChatFormat, ChoiceState, CompletionFormat, ResponseFormat
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from specserve.server.stream import RequestStream, StepUpdate, TokenDelta
 
 log = logging.getLogger("specserve.server")
 SEED_MASK = 2**63 - 1
@@ -115,6 +117,10 @@ class OpenAIServing:
         tok = self.client.tokenizer
         if tok is None:
             raise bad_request("this model has no tokenizer: send token ids", param)
+        try:
+            text.encode("utf-8")  # JSON may carry lone surrogates ("\ud800") no tokenizer takes
+        except UnicodeEncodeError as e:
+            raise bad_request(f"{param} is not valid Unicode: {e.reason}", param) from None
         return await self.client.run_tokenizer(tok.encode, text)
 
     async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -196,14 +202,19 @@ class OpenAIServing:
             stream = await self.client.add(base_id, engine_prompts, params, arrival)
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from None
-        fmt.return_token_ids = bool(getattr(req, "return_token_ids", False))
+        fmt.return_token_ids = req.return_token_ids
         usage = UsageInfo(prompt_tokens=sum(len(p) for p in prompts))
         states = [ChoiceState() for _ in engine_prompts]
         if req.stream:
             granularity = req.stream_granularity or self.granularity
             body = self._sse(stream, fmt, states, usage, req.include_usage, granularity)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            return _EngineStreamResponse(
+                body,
+                on_close=lambda: self.client.abort(stream.request_ids),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         collect = asyncio.ensure_future(self._collect(stream, states))
         watch = asyncio.ensure_future(_until_disconnected(raw))
         try:
@@ -265,6 +276,25 @@ class OpenAIServing:
             if not finished:
                 self.client.abort(stream.request_ids)
         yield "data: [DONE]\n\n"
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """SSE response that aborts its engine requests however it ends. The generator's own
+    `finally` covers disconnects mid-stream; this also covers a client gone before the first
+    chunk, when Starlette cancels the response before the generator ever started (an abort
+    of finished requests is a no-op)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _with_seed(base: SamplingParams, seed: int | None, i: int) -> SamplingParams:
