@@ -71,13 +71,14 @@ def _write_kv_sync_free(
     Padding rows repeat the write of the first real row (same slot, same value), so the duplicate
     index is harmless; with no real row at all they rewrite slot 0 with its own value.
     """
+    # Tensor indices throughout: indexing with a 0-d tensor would read it on the host.
     keep = slot_mapping >= 0  # [T]
-    first = torch.argmax(keep.to(torch.int8))  # first real row, or 0 if none
-    has_real = keep[first]
-    slot = torch.where(keep, slot_mapping, slot_mapping[first].clamp_min(0))
+    first = torch.argmax(keep.to(torch.int8)).view(1)  # [1] first real row, or 0 if none
+    has_real = keep.index_select(0, first).view(1, 1, 1)
+    slot = torch.where(keep, slot_mapping, slot_mapping.index_select(0, first).clamp_min(0))
     for src, dst in ((k, k_flat), (v, v_flat)):
         src = src.to(dst.dtype)
-        fill = torch.where(has_real, src[first], dst[0])  # [Hkv, D]
+        fill = torch.where(has_real, src.index_select(0, first), dst[:1])  # [1, Hkv, D]
         dst.index_copy_(0, slot, torch.where(keep[:, None, None], src, fill))
 
 
@@ -136,6 +137,14 @@ def _slots_for(
     return blocks * block_size + positions % block_size
 
 
+def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """All of a plan's host-built index lists in ONE copy, pinned and async: no device sync."""
+    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([len(xs) for xs in lists]))
+
+
 def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
     q_lens, c_lens = _host_lens(ctx)
     starts = [0] * len(q_lens)
@@ -169,22 +178,20 @@ def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _
         contiguous = all(starts[i] == n * qm for n, i in enumerate(short_ids))
         as_is = uniform and contiguous
 
-        q_index = out_src = out_dst = None
+        # Padded (request, j) pairs gather the last real row of their request; outputs dropped.
+        q_rows, src, dst = [], [], []
         if not as_is:
-            # Padded (request, j) pairs gather row 0 of their request; their outputs are dropped.
-            q_rows, src, dst = [], [], []
             for n, i in enumerate(short_ids):
                 for j in range(qm):
                     q_rows.append(starts[i] + min(j, q_lens[i] - 1))
                     if j < q_lens[i]:
                         src.append(n * qm + j)
                         dst.append(starts[i] + j)
-            q_index = torch.tensor(q_rows, dtype=torch.long, device=device)
-            out_src = torch.tensor(src, dtype=torch.long, device=device)
-            out_dst = torch.tensor(dst, dtype=torch.long, device=device)
-
-        ids = torch.tensor(short_ids, dtype=torch.long, device=device)
-        ctx_len = torch.tensor(sc, dtype=torch.long, device=device)  # [B]
+        ids, ctx_len, q_len, q_index, out_src, out_dst = _to_device(
+            [short_ids, sc, sq, q_rows, src, dst], device
+        )
+        if as_is:
+            q_index = out_src = out_dst = None
         pos = torch.arange(lm, device=device)  # [Lm]
         slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
         # Keys past a request's context repeat its first slot: always written, so never garbage
@@ -194,7 +201,6 @@ def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _
         mask = None
         single_full = all(q == 1 for q in sq) and all(c == lm for c in sc)
         if not single_full:
-            q_len = torch.tensor(sq, dtype=torch.long, device=device)
             j = torch.arange(qm, device=device)
             # Padded rows (j >= q_len) act as the last real row: finite softmax, output dropped.
             q_pos = (
@@ -256,7 +262,9 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each request's rows over its paged context (GQA: H % Hkv == 0).
 
-    Rows past the last request (padding) come back as zeros.
+    Rows past the last request (padding) come back as zeros. The index plan derived from ctx is
+    cached on the ctx object by the first layer's call: treat a ForwardContext as immutable and
+    build a new one per forward.
     """
     t, h, d = q.shape
     hkv = cache.k.shape[2]

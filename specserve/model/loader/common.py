@@ -83,8 +83,3 @@ def load_tokenizer(path: Path, **kwargs: Any) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
     except Exception as e:  # transformers raises many types for missing/broken files
         raise ModelLoadError(f"could not load a tokenizer from {path}: {e}") from None
-
-
-def has_tokenizer(path: Path) -> bool:
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    return any((path / n).is_file() for n in names)
