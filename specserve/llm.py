@@ -188,6 +188,17 @@ class LLM:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self.engine.abort(rid)
 
+    def _budget_metrics(self) -> dict[str, Any]:
+        b = self.engine.budget
+        if b is None:
+            return {}
+        return {
+            "verify_budget_offered_draft_rows": b.offered_rows,
+            "verify_budget_chosen_draft_rows": b.chosen_rows,
+            "verify_budget_expected_accepted_tokens": b.expected_accepted,
+            "step_cost_curve": b.curve.points(),
+        }
+
     def get_metrics(self) -> dict[str, Any]:
         led = self.engine.ledger
         spec = led.spec
@@ -208,4 +219,5 @@ class LLM:
             "spec_mean_acceptance_length": (
                 1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 1.0
             ),
+            **self._budget_metrics(),
         }

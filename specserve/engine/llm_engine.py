@@ -11,9 +11,9 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.ledger import Ledger
+from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.model.loader import cache_dir, load_model
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -206,6 +206,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def fail_all(self, reason: FinishReason = FinishReason.ABORT) -> list[Sequence]:
+        """After an internal error: end every unfinished request (blocks, slots freed) so the
+        engine is clean again. Returns them; their terminal outputs come with the next step."""
+        failed = [s for s in self.requests.values() if not s.is_finished]
+        for seq in failed:
+            self.abort(seq.request_id)
+        return failed
+
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         batch = self.scheduler.schedule()
@@ -215,27 +223,7 @@ class LLMEngine:
             outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
         if not batch.is_empty:
             self.num_steps += 1
-            t0 = time.perf_counter()
-            inputs = self.runner.prepare(batch)
-            logits = self.runner.forward(inputs)
-            seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
-            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-            host = None
-            if seqs:
-                q = self._draft_q(seqs, drafts)
-                host = self.sampler.run(logits, seqs, drafts, q)[1]
-                if self.slot_pool is not None:
-                    host = host._replace(
-                        draft_confidences=[
-                            self.slot_pool.confidence[s.slot][: len(d)]
-                            for s, d in zip(seqs, drafts)
-                        ]
-                    )
-                    for s, d, acc in zip(seqs, drafts, host.num_accepted):
-                        if d:
-                            self.drafter.observe(s, len(d), acc)
-            if self.budget is not None:
-                self.budget.record_step(batch.num_rows, time.perf_counter() - t0)
+            host = self._execute(batch)
             outputs.extend(self.ledger.process_outputs(batch, host))
             if self.drafter is not None:
                 self._propose_drafts()
@@ -247,6 +235,26 @@ class LLMEngine:
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
+
+    def _execute(self, batch: StepBatch) -> HostStepResult | None:
+        """Forward the step's rows and verify its sampling requests (None if it has none)."""
+        t0 = time.perf_counter()
+        logits = self.runner.forward(self.runner.prepare(batch))
+        seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
+        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+        host = None
+        if seqs:
+            host = self.sampler.run(logits, seqs, drafts, self._draft_q(seqs, drafts))[1]
+        if self.slot_pool is not None and host is not None:
+            pool = self.slot_pool
+            confs = [pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
+            host = host._replace(draft_confidences=confs)
+            for s, d, acc in zip(seqs, drafts, host.num_accepted):
+                if d:
+                    self.drafter.observe(s, len(d), acc)
+        if self.budget is not None:
+            self.budget.record_step(batch.num_rows, time.perf_counter() - t0)
+        return host
 
     def _draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q, V] draft distributions of the verify layout's rows (rows that verify
