@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.triton_attention import paged_attention_triton, use_triton, write_kv_triton
 
 # Requests with at most this many query rows are batched into the padded path. Above it a
 # request's own SDPA is cheaper than padding every short request up to its length.
@@ -41,6 +42,8 @@ def write_kv(
     """
     if slot_mapping.numel() == 0:
         return
+    if use_triton(k.device):
+        return write_kv_triton(k, v, cache, slot_mapping)
     num_kv_heads, head_dim = cache.k.shape[2], cache.k.shape[3]
     k_flat = cache.k.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
     v_flat = cache.v.view(-1, num_kv_heads, head_dim)
@@ -118,7 +121,7 @@ class _LongRequest:
 @dataclass
 class _Plan:
     num_rows: int  # rows that belong to a request; rows after them are padding
-    short: _ShortGroup | None
+    short: list[_ShortGroup]
     long: list[_LongRequest]
 
 
@@ -145,6 +148,68 @@ def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tenso
     return list(flat.split([len(xs) for xs in lists]))
 
 
+def _short_group(
+    short_ids: list[int],
+    q_lens: list[int],
+    c_lens: list[int],
+    starts: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> _ShortGroup:
+    b = len(short_ids)
+    qm = max(q_lens[i] for i in short_ids)
+    lm = max(c_lens[i] for i in short_ids)
+    sq = [q_lens[i] for i in short_ids]
+    sc = [c_lens[i] for i in short_ids]
+    uniform = all(q == qm for q in sq)
+    contiguous = all(starts[i] == n * qm for n, i in enumerate(short_ids))
+    as_is = uniform and contiguous
+
+    # Padded (request, j) pairs gather the last real row of their request; outputs dropped.
+    q_rows, src, dst = [], [], []
+    if not as_is:
+        for n, i in enumerate(short_ids):
+            for j in range(qm):
+                q_rows.append(starts[i] + min(j, q_lens[i] - 1))
+                if j < q_lens[i]:
+                    src.append(n * qm + j)
+                    dst.append(starts[i] + j)
+    ids, ctx_len, q_len, q_index, out_src, out_dst = _to_device(
+        [short_ids, sc, sq, q_rows, src, dst], device
+    )
+    if as_is:
+        q_index = out_src = out_dst = None
+    pos = torch.arange(lm, device=device)  # [Lm]
+    slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
+    # Keys past a request's context repeat its first slot: always written, so never garbage
+    # (NaN in unwritten cache memory would poison the masked product).
+    slots = torch.where(pos[None, :] < ctx_len[:, None], slots, slots[:, :1])
+
+    mask = None
+    single_full = all(q == 1 for q in sq) and all(c == lm for c in sc)
+    if not single_full:
+        j = torch.arange(qm, device=device)
+        # Padded rows (j >= q_len) act as the last real row: finite softmax, output dropped.
+        q_pos = ctx_len[:, None] - q_len[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
+        mask = (pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Qm, Lm]
+    return _ShortGroup(b, qm, q_index, slots.reshape(-1), lm, mask, out_src, out_dst)
+
+
+def _group_by_context(ids: list[int], c_lens: list[int]) -> list[list[int]]:
+    """Split requests (kept in row order inside a group) into groups whose longest context is
+    at most 1.5x + 64 their shortest one."""
+    if not ids:
+        return []
+    by_len = sorted(ids, key=lambda i: c_lens[i], reverse=True)
+    groups: list[list[int]] = [[by_len[0]]]
+    for i in by_len[1:]:
+        if c_lens[groups[-1][0]] > 1.5 * c_lens[i] + 64:
+            groups.append([])
+        groups[-1].append(i)
+    return [sorted(g) for g in groups]
+
+
 def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
     q_lens, c_lens = _host_lens(ctx)
     starts = [0] * len(q_lens)
@@ -167,47 +232,12 @@ def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _
             mask = pos[None, :] <= q_pos[:, None]
         long.append(_LongRequest(starts[i], starts[i] + q_len, slots, mask))
 
-    short = None
-    if short_ids:
-        b = len(short_ids)
-        qm = max(q_lens[i] for i in short_ids)
-        lm = max(c_lens[i] for i in short_ids)
-        sq = [q_lens[i] for i in short_ids]
-        sc = [c_lens[i] for i in short_ids]
-        uniform = all(q == qm for q in sq)
-        contiguous = all(starts[i] == n * qm for n, i in enumerate(short_ids))
-        as_is = uniform and contiguous
-
-        # Padded (request, j) pairs gather the last real row of their request; outputs dropped.
-        q_rows, src, dst = [], [], []
-        if not as_is:
-            for n, i in enumerate(short_ids):
-                for j in range(qm):
-                    q_rows.append(starts[i] + min(j, q_lens[i] - 1))
-                    if j < q_lens[i]:
-                        src.append(n * qm + j)
-                        dst.append(starts[i] + j)
-        ids, ctx_len, q_len, q_index, out_src, out_dst = _to_device(
-            [short_ids, sc, sq, q_rows, src, dst], device
-        )
-        if as_is:
-            q_index = out_src = out_dst = None
-        pos = torch.arange(lm, device=device)  # [Lm]
-        slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
-        # Keys past a request's context repeat its first slot: always written, so never garbage
-        # (NaN in unwritten cache memory would poison the masked product).
-        slots = torch.where(pos[None, :] < ctx_len[:, None], slots, slots[:, :1])
-
-        mask = None
-        single_full = all(q == 1 for q in sq) and all(c == lm for c in sc)
-        if not single_full:
-            j = torch.arange(qm, device=device)
-            # Padded rows (j >= q_len) act as the last real row: finite softmax, output dropped.
-            q_pos = (
-                ctx_len[:, None] - q_len[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
-            )
-            mask = (pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Qm, Lm]
-        short = _ShortGroup(b, qm, q_index, slots.reshape(-1), lm, mask, out_src, out_dst)
+    # requests of similar context length share a padded group: padding every decode row to the
+    # longest context of a mixed batch would read (and copy) far more KV than exists
+    short = [
+        _short_group(g, q_lens, c_lens, starts, block_tables, block_size, device)
+        for g in _group_by_context(short_ids, c_lens)
+    ]
     return _Plan(num_rows, short, long)
 
 
@@ -266,17 +296,18 @@ def paged_attention(
     cached on the ctx object by the first layer's call: treat a ForwardContext as immutable and
     build a new one per forward.
     """
+    if use_triton(q.device):
+        return paged_attention_triton(q, cache, ctx, scale)
     t, h, d = q.shape
     hkv = cache.k.shape[2]
     plan = _get_plan(ctx, cache.block_size, q.device)
-    short = plan.short
-
-    if short is not None and not plan.long and short.out_dst is None and plan.num_rows == t:
+    groups = plan.short
+    if len(groups) == 1 and not plan.long and groups[0].out_dst is None and plan.num_rows == t:
         # Pure decode / uniform verify: the padded output is the answer, no scatter needed.
-        return _run_short(q, cache, short, scale).to(q.dtype)
+        return _run_short(q, cache, groups[0], scale).to(q.dtype)
 
     out = q.new_zeros(t, h, d)
-    if short is not None:
+    for short in groups:
         o = _run_short(q, cache, short, scale).to(q.dtype)
         if short.out_dst is None:
             out[: o.shape[0]] = o

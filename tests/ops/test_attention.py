@@ -127,6 +127,8 @@ CASES = {
     "prefill_chunk": ([29], [45]),
     "mixed": ([1, 5, 40, 1, 17, 3, 20], [30, 12, 40, 1, 60, 3, 33]),
     "long_first": ([25, 1, 2], [25, 7, 9]),
+    # contexts far apart: decode/verify rows split into several padded groups
+    "context_groups": ([1, 3, 1, 2, 1, 20], [300, 9, 700, 40, 5, 150]),
 }
 
 
