@@ -76,3 +76,4 @@ class EngineConfig:
     output_pool_capacity: int | None = None
     debug_invariants: bool = False
     cache_step_cost: bool = True  # keep the measured step-cost curve under $SPECSERVE_CACHE
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode/verify steps (same numbers)

@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode/verify steps without CUDA graphs (no capture at start-up)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         speculative_config=args.speculative_config,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 

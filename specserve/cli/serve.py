@@ -68,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         seed=args.seed,
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
     engine = LLMEngine(config)
     opts = ServerOptions(

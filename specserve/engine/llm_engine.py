@@ -95,6 +95,14 @@ class LLMEngine:
             self.dtype,
             self.device,
         )
+        # Before the verify budget's calibration below, so the step-cost curve times the graphs.
+        self.runner.init_cuda_graphs(
+            config.max_num_seqs,
+            1 + k,
+            self.max_model_len,
+            capture=not config.enforce_eager,
+            progress=progress,
+        )
         eos = frozenset(
             mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else [])
         )

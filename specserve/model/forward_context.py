@@ -32,7 +32,9 @@ class ForwardContext:
     cu_query_lens: torch.Tensor  # [B + 1] int32, exclusive prefix sum of query_lens
     context_lens: torch.Tensor  # [B] int32, KV length of each request after this forward's writes
     block_tables: torch.Tensor  # [B, max_blocks_per_req] int32, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64, KV slot each row writes (negative = padding row: no write)
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64, KV slot each row writes (negative = padding row: no write)
     max_query_len: int
     max_context_len: int
     # host copies, so the torch reference path never syncs to read them

@@ -1,4 +1,9 @@
-"""Runs one step's forward: builds the flat rows and the ForwardContext, owns the paged KV cache."""
+"""Runs one step's forward: builds the flat rows and the ForwardContext, owns the paged KV cache.
+
+On CUDA, after `init_cuda_graphs`, decode/verify steps (every row wants logits) go through
+`DecodeGraphs` (one CUDA graph per total_q bucket, see cuda_graph.py); everything else, and every
+step on CPU, runs the eager path below.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import torch
 
 from specserve.engine.scheduler import StepBatch
 from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.triton_attention import use_triton
+from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
 
 
 class StepInputs(NamedTuple):
@@ -55,8 +62,38 @@ class ModelRunner:
             )
             for _ in range(num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
 
-    def prepare(self, batch: StepBatch) -> StepInputs:
+    def init_cuda_graphs(
+        self,
+        max_num_seqs: int,
+        max_rows_per_seq: int,  # 1 + k
+        max_model_len: int,
+        capture: bool = True,
+        progress: bool = True,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        """Route decode/verify steps through the bucket layout and (capture=True) capture one
+        graph per bucket. capture=False (enforce_eager) keeps the layout but runs it eagerly, so
+        the numbers match the graphs bit for bit. No-op off CUDA unless a backend is given
+        (tests drive the layout on CPU with a fake one)."""
+        if backend is None and not use_triton(self.device):
+            return
+        vocab = self.model.config.vocab_size
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_num_seqs,
+            max_rows_per_seq,
+            max_model_len,
+            self.device,
+            vocab,
+        )
+        if capture:
+            self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
+
+    def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
         rows, starts, tables, num_logits = [], [], [], []
         for seq, qlen, d, samples in zip(batch.seqs, batch.query_lens, batch.drafts, batch.samples):
             start = seq.num_computed_before_step
@@ -73,9 +110,13 @@ class ModelRunner:
         starts: list[int],
         tables: list[list[int]],
         num_logits: list[int],
-    ) -> StepInputs:
+    ) -> StepInputs | BucketStep:
         """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
         num_logits[i] rows."""
+        if self.graphs is not None and all(n == len(r) for n, r in zip(num_logits, rows)):
+            step = self.graphs.prepare(rows, starts, tables)
+            if step is not None:
+                return step
         bs = self.block_size
         pos: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -119,8 +160,10 @@ class ModelRunner:
         return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:
         """Logits [total_q, V] of the verify layout's rows (float32)."""
+        if isinstance(inputs, BucketStep):
+            return self.graphs.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.ctx)
         if inputs.logit_rows.numel() == 0:
             return hidden.new_zeros((0, 0), dtype=torch.float32)

@@ -39,7 +39,7 @@ class VerifyBudgetPolicy:
             return None
         eng = self.engine
         dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}"
+        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}"
         return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
     def _load_or_calibrate(self, buckets: list[int], root: Path | None) -> StepCostCurve:

@@ -1,0 +1,272 @@
+"""CUDA graphs for decode/verify steps: one graph per total_q bucket.
+
+A step is graph-eligible when it is pure decode/verify (every request feeds its anchor row plus
+its drafts, so every row wants logits), each request has at most 1 + k rows and the total rows
+T fit the largest bucket. It runs as the graph of the smallest bucket >= T: the rows are copied
+into static buffers, padded up to the bucket with rows that write no KV slot (slot -1) and belong
+to no request (padding requests have query_len 0), and the graph computes the model forward and
+the logits of all the bucket's rows; the caller reads the first T. Other steps run eager.
+
+The graph key is the number of rows, not requests x k: the layout is flat (DESIGN.md), so a
+bucket of 24 rows serves 24 decodes or 6 requests verifying 3 drafts alike.
+
+Numbers. The launch parameters the Triton attention derives from host values are fixed per bucket
+(B = the bucket's request bound, max_query_len = min(bucket, 1 + k), max_context_len = a fixed
+bound), so a bucket's kernels do not depend on the batch. With enforce_eager the same bucket
+layout runs without a graph ("eager twin"): the same kernels on the same shapes, hence logits
+bit-identical to the replay. Only CUDA uses buckets; the CPU path never sees them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from specserve.model.forward_context import ForwardContext, KVCache
+
+# Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
+# an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
+MAX_CAPTURE_ROWS = 512
+
+
+def capture_sizes(max_rows: int, cap: int = MAX_CAPTURE_ROWS) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every 8 rows up to 256, every 16 above, ending at min(max_rows,
+    cap). Decode is weight-bandwidth-bound: a few padding rows cost almost nothing (the GEMMs'
+    row tiles are 64+ rows anyway), so step 8 keeps waste under 8 rows with ~40 graphs; the
+    powers of two below 8 spare batch-1..4 decode the padded attention rows."""
+    top = max(1, min(max_rows, cap))
+    sizes, b = [], 1
+    while b < top:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 256 else 16)
+    sizes.append(top)
+    return sizes
+
+
+class GraphBackend(Protocol):
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Record fn (after warming it up) and return what replays it."""
+        ...
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph with one memory pool shared by every bucket's graph: a replay's
+    intermediates are dead once it ends, so graphs captured largest-first reuse the same memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # capture cannot run on the default stream
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        # Warm-up outside the capture: Triton JIT, cuBLAS handles, lazily built tables.
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            fn()
+        self.graphs.append(graph)
+        return graph.replay
+
+
+class _Layout:
+    """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
+    device, so one copy moves them all: int64 ids | positions | slots [Tb each], then int32
+    query_lens [Bb] | cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of
+    the step's real requests, compact [B, w] (scattered into the [Bb, W] table on the device)."""
+
+    def __init__(self, rows: int, reqs: int, width: int) -> None:
+        self.rows, self.reqs = rows, reqs
+        self.i32_at = 24 * rows
+        self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
+        self.max_bytes = self.bt_at + 4 * reqs * width
+
+    def split(self, buf, i64, i32):  # buf: uint8 np.ndarray or torch.Tensor -> typed views
+        t, b = self.rows, self.reqs
+        a = buf[: self.i32_at].view(i64)
+        c = buf[self.i32_at : self.bt_at].view(i32)
+        return a[:t], a[t : 2 * t], a[2 * t :], c[:b], c[b : 2 * b + 1], c[2 * b + 1 :]
+
+
+@dataclass
+class _Bucket:
+    layout: _Layout
+    max_query_len: int
+    ids: torch.Tensor  # [Tb] int64, device views into the static buffer
+    positions: torch.Tensor  # [Tb] int64
+    slots: torch.Tensor  # [Tb] int64, -1 on padding rows
+    query_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
+    cu_query_lens: torch.Tensor  # [Bb + 1] int32, flat (= T) after the real requests
+    context_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
+    replay: Callable[[], None] | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+
+@dataclass
+class BucketStep:
+    """A graph-eligible step, laid out on the host for its bucket (no device work yet)."""
+
+    bucket: _Bucket
+    num_rows: int  # T: the first T logit rows are the step's
+    num_reqs: int
+    width: int  # w: block-table columns the real requests use
+    packed: np.ndarray  # uint8, the bucket layout with [B, w] block tables
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[KVCache],
+        block_size: int,
+        max_num_seqs: int,
+        max_rows_per_seq: int,  # 1 + k
+        max_model_len: int,
+        device: torch.device,
+        vocab_size: int,
+    ) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.block_size = block_size
+        self.max_query_len = max_rows_per_seq
+        # Rows may run up to k positions past max_model_len while verifying near the end.
+        self.max_context_len = max_model_len + max_rows_per_seq
+        self.width = -(-self.max_context_len // block_size) + 1  # W: block-table columns
+        self.sizes = capture_sizes(max_num_seqs * max_rows_per_seq)
+        self.use_graphs = True  # False: run the bucket layout eagerly (benchmarks, tests)
+        self.num_replays = 0
+        self.num_verify_replays = 0  # replays with some request verifying drafts
+        self.num_eager_runs = 0
+        layouts = [_Layout(t, min(t, max_num_seqs), self.width) for t in self.sizes]
+        nbytes = max(lay.max_bytes for lay in layouts)
+        pin = device.type == "cuda"
+        # Plain (not inference-mode) tensors: writable inside and outside inference mode.
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._bt = torch.zeros(layouts[-1].reqs, self.width, dtype=torch.int32, device=device)
+        self._logits = torch.zeros(self.sizes[-1], vocab_size, device=device)  # [Tmax, V] fp32
+        # set once the H2D copy that reads the pinned staging buffer has run
+        self._copied = torch.cuda.Event() if pin else None
+        self._buckets = []
+        for lay, t in zip(layouts, self.sizes):
+            views = lay.split(self._dev, torch.int64, torch.int32)
+            self._buckets.append(_Bucket(lay, min(t, max_rows_per_seq), *views))
+        self._keepalive: list[torch.Tensor] = []
+
+    @property
+    def max_rows(self) -> int:
+        return self.sizes[-1]
+
+    # -- capture ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, backend: GraphBackend, progress: bool = True) -> None:
+        """One graph per bucket, largest first (the shared pool is sized by the first)."""
+        for b in tqdm(
+            self._buckets[::-1], desc="Capturing CUDA graphs", unit="graph", disable=not progress
+        ):
+            self._fill_padding(b)
+
+            def run(b: _Bucket = b) -> None:
+                self._logits[: b.rows].copy_(self._forward_bucket(b))
+
+            b.replay = backend.capture(run)
+        # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
+        # keeping the old one alive keeps their reads valid (same values at these positions).
+        table = getattr(getattr(self.model, "rotary", None), "_table", None)
+        if table is not None:
+            self._keepalive.append(table)
+
+    def _fill_padding(self, b: _Bucket) -> None:
+        """Every row padding: warm-up and capture write no KV slot."""
+        b.ids.zero_()
+        b.positions.zero_()
+        b.slots.fill_(-1)
+        b.query_lens.zero_()
+        b.cu_query_lens.zero_()
+        b.context_lens.zero_()
+
+    def _forward_bucket(self, b: _Bucket) -> torch.Tensor:  # [Tb, V] fp32
+        ctx = ForwardContext(
+            query_lens=b.query_lens,
+            cu_query_lens=b.cu_query_lens,
+            context_lens=b.context_lens,
+            block_tables=self._bt[: b.layout.reqs],
+            slot_mapping=b.slots,
+            max_query_len=b.max_query_len,
+            max_context_len=self.max_context_len,
+        )
+        hidden = self.model(b.ids, b.positions, self.kv_caches, ctx)
+        return self.model.compute_logits(hidden)
+
+    # -- one step -----------------------------------------------------------------------------
+    def prepare(
+        self, rows: Sequence[list[int]], starts: Sequence[int], tables: Sequence[list[int]]
+    ) -> BucketStep | None:
+        """Host layout of a step whose every row wants logits, or None if it is not eligible."""
+        nreq = len(rows)
+        qlens = np.fromiter(map(len, rows), dtype=np.int64, count=nreq)
+        t = int(qlens.sum()) if nreq else 0
+        if t == 0 or t > self.max_rows or int(qlens.max()) > self.max_query_len:
+            return None
+        w = max(map(len, tables))
+        b = self._buckets[bisect.bisect_left(self.sizes, t)]
+        if nreq > b.layout.reqs or w > self.width:
+            return None
+        lay = b.layout
+        packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
+        ids, pos, slots, q, cu, ctx = lay.split(packed, np.int64, np.int32)
+        bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
+        bt.fill(0)
+        for i, blocks in enumerate(tables):
+            bt[i, : len(blocks)] = blocks
+        cum = np.zeros(nreq + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cum[1:])
+        req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row
+        start = np.asarray(starts, dtype=np.int64)
+        p = start[req] + (np.arange(t) - cum[req])  # [T] KV position of each row
+        ids[:t] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=t)
+        pos[:t] = p
+        bs = self.block_size
+        slots[:t] = bt[req, p // bs].astype(np.int64) * bs + p % bs
+        ids[t:], pos[t:], slots[t:] = 0, 0, -1
+        q[:nreq], q[nreq:] = qlens, 0
+        cu[: nreq + 1], cu[nreq + 1 :] = cum, t
+        ctx[:nreq], ctx[nreq:] = start + qlens, 0
+        return BucketStep(b, t, nreq, w, packed)
+
+    @torch.inference_mode()
+    def run(self, step: BucketStep) -> torch.Tensor:  # [T, V] fp32
+        """Copy the step into the static buffers, replay its bucket's graph (or run the bucket
+        eagerly) and return the logits of its T rows. The result is a view of a buffer the next
+        replay overwrites: consume it before the next step (the engine does)."""
+        b = step.bucket
+        n = step.packed.nbytes
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy may still read the staging
+        self._host_np[:n] = step.packed
+        self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        nreq, w = step.num_reqs, step.width
+        stage = self._dev[b.layout.bt_at : b.layout.bt_at + 4 * nreq * w].view(torch.int32)
+        self._bt[:nreq, :w].copy_(stage.view(nreq, w))
+        if self.use_graphs and b.replay is not None:
+            b.replay()
+            self.num_replays += 1
+            if step.num_rows > step.num_reqs:
+                self.num_verify_replays += 1
+            return self._logits[: step.num_rows]
+        self.num_eager_runs += 1
+        return self._forward_bucket(b)[: step.num_rows]

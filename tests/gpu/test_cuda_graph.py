@@ -1,0 +1,270 @@
+"""CUDA graphs for decode/verify steps (specserve.runner.cuda_graph).
+
+The unmarked tests drive the bucket layout on the CPU with a fake graph backend (capture = run
+once, replay = run again over the static buffers): bucket choice, padding, the block-table
+scatter, eligibility, capture order. The `gpu` tests capture real graphs and check that a replay
+is bit-identical to the same bucket run eagerly, and that whole engines with and without graphs
+emit the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specserve.model.loader.common import build_empty_model
+from specserve.model.loader.dummy import dummy_config, init_random_
+from specserve.runner.cuda_graph import BucketStep, capture_sizes
+from specserve.runner.model_runner import ModelRunner, StepInputs
+
+BS = 4  # block size of the layout tests: small, so rows cross blocks
+
+
+class FakeBackend:
+    def capture(self, fn):
+        fn()
+        return fn
+
+
+class EchoModel(torch.nn.Module):
+    """Logit row r = what the model saw for row r: token, position, slot, the context length and
+    block-table slot of its request (-7 for rows of no request)."""
+
+    def __init__(self, vocab: int = 8) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=vocab)
+        self.ctxs: list = []
+
+    def forward(self, ids, positions, kv_caches, ctx):
+        # a snapshot: ctx holds views of static buffers that later steps overwrite
+        self.ctxs.append(
+            SimpleNamespace(
+                **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(ctx).items()}
+            )
+        )
+        t, b = ids.shape[0], ctx.query_lens.shape[0]
+        req = torch.searchsorted(ctx.cu_query_lens[1:].long(), torch.arange(t), right=True)
+        real = req < b
+        r = req.clamp(max=b - 1)
+        ctx_len = torch.where(real, ctx.context_lens.long()[r], -7)
+        block = ctx.block_tables.long()[r, positions // BS]
+        bt_slot = torch.where(real, block * BS + positions % BS, -7)
+        return torch.stack([ids, positions, ctx.slot_mapping, ctx_len, bt_slot], 1).float()
+
+    def compute_logits(self, hidden):
+        pad = hidden.new_zeros(hidden.shape[0], self.config.vocab_size - hidden.shape[1])
+        return torch.cat([hidden, pad], 1)
+
+
+def _batch(rng: random.Random, qlens: list[int], next_block: list[int]):
+    rows, starts, tables = [], [], []
+    for q in qlens:
+        start = rng.randrange(0, 30)
+        nblocks = (start + q + BS - 1) // BS + rng.randrange(0, 2)  # sometimes a spare block
+        tables.append(list(range(next_block[0], next_block[0] + nblocks)))
+        next_block[0] += nblocks
+        rows.append([rng.randrange(1, 1000) for _ in range(q)])
+        starts.append(start)
+    return rows, starts, tables
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    s = capture_sizes(64 * 4)
+    assert s[:6] == [1, 2, 4, 8, 16, 24] and s[-1] == 256
+    assert all(b - a == 8 for a, b in zip(s[3:], s[4:]))
+    big = capture_sizes(17 * 256)
+    assert big[-1] == 512 and big[big.index(256) + 1] == 272
+    assert big == sorted(set(big))
+
+
+def _echo_runner(max_num_seqs: int = 4, k: int = 3):
+    model = EchoModel()
+    runner = ModelRunner(model, 1, 1, 1, 64, BS, torch.float32, torch.device("cpu"))
+    backend = FakeBackend()
+    runner.init_cuda_graphs(max_num_seqs, 1 + k, 64, capture=True, progress=False, backend=backend)
+    return runner, model
+
+
+def test_capture_largest_first_all_padding() -> None:
+    runner, model = _echo_runner()
+    g = runner.graphs
+    assert g.sizes == [1, 2, 4, 8, 16]
+    seen = [c.slot_mapping.shape[0] for c in model.ctxs]
+    assert seen == [16, 8, 4, 2, 1]  # largest bucket first
+    for c in model.ctxs:  # warm-up/capture: every row padding, no KV write
+        assert (c.slot_mapping == -1).all() and (c.query_lens == 0).all()
+        assert c.max_context_len == 64 + 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_layout(seed: int) -> None:
+    rng = random.Random(seed)
+    runner, model = _echo_runner()
+    nb = [1]
+    for _ in range(5):  # consecutive steps: nothing of a larger step may leak into a smaller
+        qlens = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        rows, starts, tables = _batch(rng, qlens, nb)
+        step = runner.prepare_rows(rows, starts, tables, qlens)
+        assert isinstance(step, BucketStep)
+        t = sum(qlens)
+        assert step.bucket.rows == min(s for s in runner.graphs.sizes if s >= t)
+        logits = runner.forward(step)
+        assert logits.shape == (t, 8)
+        ctx = model.ctxs[-1]
+        tb, b = step.bucket.rows, ctx.query_lens.shape[0]
+        assert b == min(tb, 4) and ctx.max_query_len == min(tb, 4)
+        assert ctx.query_lens.tolist() == qlens + [0] * (b - len(qlens))
+        assert ctx.cu_query_lens.tolist()[len(qlens) :] == [t] * (b + 1 - len(qlens))
+        assert (ctx.slot_mapping[t:] == -1).all()
+        want = []
+        for row, start, table in zip(rows, starts, tables):
+            for j, tok in enumerate(row):
+                p = start + j
+                slot = table[p // BS] * BS + p % BS
+                want.append([tok, p, slot, start + len(row), slot])
+        assert logits[:, :5].tolist() == want
+    assert runner.graphs.num_replays == 5 and runner.graphs.num_eager_runs == 0
+
+
+def test_not_eligible_runs_eager() -> None:
+    rng = random.Random(0)
+    runner, _ = _echo_runner()
+    rows, starts, tables = _batch(rng, [3, 1], [1])
+    # a prefill chunk: only its last row wants logits
+    assert isinstance(runner.prepare_rows(rows, starts, tables, [1, 1]), StepInputs)
+    # more rows than 1 + k for one request
+    rows, starts, tables = _batch(rng, [5, 1], [1])
+    assert isinstance(runner.prepare_rows(rows, starts, tables, [5, 1]), StepInputs)
+    # more rows than the largest bucket
+    rows, starts, tables = _batch(rng, [4, 4, 4, 4, 1], [1])
+    assert isinstance(runner.prepare_rows(rows, starts, tables, [4, 4, 4, 4, 1]), StepInputs)
+
+
+def test_eager_twin_without_capture() -> None:
+    runner = ModelRunner(EchoModel(), 1, 1, 1, 64, BS, torch.float32, torch.device("cpu"))
+    runner.init_cuda_graphs(4, 4, 64, capture=False, progress=False, backend=FakeBackend())
+    rows, starts, tables = _batch(random.Random(1), [2, 1], [1])
+    step = runner.prepare_rows(rows, starts, tables, [2, 1])
+    assert isinstance(step, BucketStep)
+    runner.forward(step)
+    assert runner.graphs.num_eager_runs == 1 and runner.graphs.num_replays == 0
+
+
+def test_cpu_engine_has_no_graphs() -> None:
+    runner = ModelRunner(EchoModel(), 1, 1, 1, 8, BS, torch.float32, torch.device("cpu"))
+    runner.init_cuda_graphs(4, 4, 64)
+    assert runner.graphs is None
+
+
+# -- real model ------------------------------------------------------------------------------
+
+
+def _tiny_runner(device: torch.device, dtype: torch.dtype, backend=None, k: int = 3):
+    cfg = dummy_config("tiny")
+    model = build_empty_model(cfg, dtype, device)
+    init_random_(model)
+    runner = ModelRunner(
+        model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 256, BS, dtype, device
+    )
+    for c in runner.kv_caches:  # a random "history" for every context to attend to
+        c.k.normal_()
+        c.v.normal_()
+    runner.init_cuda_graphs(8, 1 + k, 256, progress=False, backend=backend)
+    return runner
+
+
+def _compare_paths(runner: ModelRunner, seed: int, exact: bool, atol: float) -> None:
+    rng = random.Random(seed)
+    graphs = runner.graphs
+    for _ in range(6):
+        qlens = [rng.randint(1, 4) for _ in range(rng.randint(1, 8))]
+        # distinct blocks within a step (at most 88 of the 256); steps reuse them
+        rows, starts, tables = _batch(rng, qlens, [1])
+        step = runner.prepare_rows(rows, starts, tables, qlens)
+        assert isinstance(step, BucketStep)
+        graphs.use_graphs = True
+        got = runner.forward(step).clone()
+        graphs.use_graphs = False
+        twin = runner.forward(step).clone()
+        graphs.use_graphs = True
+        runner.graphs = None  # the plain eager path: unpadded rows, its own launch parameters
+        try:
+            plain = runner.forward(runner.prepare_rows(rows, starts, tables, qlens))
+        finally:
+            runner.graphs = graphs
+        assert torch.isfinite(got).all()
+        if exact:
+            assert torch.equal(got, twin)
+        torch.testing.assert_close(got, plain, atol=atol, rtol=0)
+
+
+def test_bucket_path_matches_eager_cpu() -> None:
+    runner = _tiny_runner(torch.device("cpu"), torch.float32, FakeBackend())
+    _compare_paths(runner, 0, exact=True, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_replay_bit_identical(cuda: torch.device, dtype: torch.dtype) -> None:
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    runner = _tiny_runner(cuda, dtype)
+    assert runner.graphs is not None
+    # bf16 rounds differently with another row count per GEMM; fp32 is true fp32 (no tf32)
+    _compare_paths(runner, 1, exact=True, atol=3e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert runner.graphs.num_replays == 6 and runner.graphs.num_verify_replays > 0
+
+
+# -- engine: graphs vs enforce_eager ---------------------------------------------------------
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "verify_budget": "off"}
+
+
+def _generate(model: str, dtype: str, spec: dict | None, enforce_eager: bool):
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        speculative_config=spec,
+        dtype=dtype,
+        max_num_seqs=8,
+        max_model_len=1024,
+        kv_cache_memory_gb=1.0,
+        enforce_eager=enforce_eager,
+        progress=False,
+    )
+    rng = random.Random(0)
+    lens = [5, 17, 40, 64, 100, 9]
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in lens]
+    prompts.append([101, 102, 103, 104] * 12)  # repeats: n-gram drafts from the start
+    maxes = [300, 240, 170, 100, 50, 12, 200]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in maxes]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert [len(t) for t in tokens] == maxes
+    return tokens, llm.engine.runner.graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("model", ["dummy:tiny", "dummy:smollm2-135m"])
+def test_engine_graphs_match_eager(
+    cuda: torch.device, model: str, dtype: str, spec: dict | None
+) -> None:
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    eager, eg = _generate(model, dtype, spec, enforce_eager=True)
+    graphed, gg = _generate(model, dtype, spec, enforce_eager=False)
+    assert eg.num_replays == 0 and eg.num_eager_runs > 0
+    assert gg.num_replays > 0 and gg.num_eager_runs == 0
+    if spec is not None:
+        assert gg.num_verify_replays > 0
+    for i, (a, b) in enumerate(zip(eager, graphed)):
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert same is None, f"request {i}: first difference at token {same}"
