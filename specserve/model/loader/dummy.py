@@ -90,12 +90,18 @@ def dummy_config(spec: str) -> ModelConfig:
 def init_random_(model: torch.nn.Module, seed: int = SEED) -> None:
     """std-0.02 normals for matrices and biases, ones for norms; same seed -> same weights."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    device_gen: torch.Generator | None = None
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
-            # Sample on CPU so the weights do not depend on the device's RNG.
+        elif p.device.type == "cpu":
+            # CPU: the same weights on every machine (tests rely on it)
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+        else:
+            # an accelerator samples in place: an 8B model drawn on the host takes minutes
+            if device_gen is None:
+                device_gen = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, 0.02, generator=device_gen)
 
 
 def load_dummy(spec: str, dtype: torch.dtype, device: torch.device, tokenizer: Any) -> LoadedModel:
