@@ -60,7 +60,9 @@ def load_hf_model(
         if hf_config is None:
             raise ValueError(f"the HF baseline for {model!r} needs the HF config of that preset")
         torch.manual_seed(0)
-        with torch.device(device):  # built in place: an 8B model initialised on the host takes minutes
+        with torch.device(
+            device
+        ):  # built in place: an 8B model initialised on the host takes minutes
             m = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     else:
         path = Path(model).expanduser()

@@ -54,7 +54,8 @@ class ThroughputSettings:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     hf_batch_size: int | None = None  # None: min(max_num_seqs, num_prompts)
-    input_len: int = 128  # prompt length of the random dataset
+    input_len: int = 128  # prompt length of the random dataset (the longest, with input_len_min)
+    input_len_min: int | None = None  # random dataset: lengths uniform in [min, input_len]
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -79,7 +80,11 @@ def build_requests(s: ThroughputSettings, tokenizer: Any, vocab_size: int) -> li
             s.num_prompts, tokenizer, seed=s.seed, output_len=s.max_tokens
         )
     return random_requests(
-        s.num_prompts, (s.input_len, s.input_len), s.max_tokens, vocab_size, seed=s.seed
+        s.num_prompts,
+        (s.input_len_min or s.input_len, s.input_len),
+        s.max_tokens,
+        vocab_size,
+        seed=s.seed,
     )
 
 

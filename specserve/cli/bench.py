@@ -28,6 +28,12 @@ def _add_throughput_parser(sub: Any) -> None:
         "--max-tokens", type=int, default=128, help="output tokens per request (the same for all)"
     )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
+    p.add_argument(
+        "--input-len-min",
+        type=int,
+        default=None,
+        help="random dataset: lengths in [this, --input-len]",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument(
         "--batch-1",
@@ -102,6 +108,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         hf_batch_size=args.hf_batch_size,
         input_len=args.input_len,
+        input_len_min=args.input_len_min,
         json_path=args.json_path,
         plot_path=args.plot_path,
     )

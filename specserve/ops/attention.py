@@ -296,7 +296,7 @@ def paged_attention(
     cached on the ctx object by the first layer's call: treat a ForwardContext as immutable and
     build a new one per forward.
     """
-    if use_triton(q.device):
+    if use_triton(q.device) and q.shape[-1] >= 16:  # tl.dot needs K >= 16
         return paged_attention_triton(q, cache, ctx, scale)
     t, h, d = q.shape
     hkv = cache.k.shape[2]

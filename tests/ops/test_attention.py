@@ -197,10 +197,18 @@ def test_sync_free_write_matches_masked_write(slots: list[int]) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", ["decode", "uniform_verify", "mixed", "long_first"])
-def test_cuda_matches_cpu_without_host_sync(case: str) -> None:
-    """The reference path on a GPU: same numbers as on CPU, and no device->host sync."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cuda_matches_cpu_without_host_sync(case: str, backend: str, monkeypatch) -> None:
+    """On a GPU, the torch reference path and the Triton kernels: same numbers as on CPU, and no
+    device->host sync."""
+    import specserve.ops.attention as attn
+
+    if backend == "reference":
+        monkeypatch.setattr(attn, "use_triton", lambda device: False)
+    elif not attn.use_triton("cuda"):
+        pytest.skip("triton not available")
     q_lens, ctx_lens = CASES[case]
-    st = _setup(q_lens, ctx_lens, 6, 2, pad_rows=3)
+    st = _setup(q_lens, ctx_lens, 6, 2, head_dim=16 if backend == "triton" else 8, pad_rows=3)
     q, cache, ctx = st.q, st.cache, st.ctx
     want = paged_attention(q, cache, ctx, 0.3)
     dev = torch.device("cuda")
