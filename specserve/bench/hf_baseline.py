@@ -25,24 +25,6 @@ DUMMY_PREFIX = "dummy:"
 NAME = "hf"
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    # same rule as the engine's "auto": bf16 on CUDA, fp32 on CPU
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16}
-    names |= {"fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}
-    names |= {"bf16": torch.bfloat16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return names[dtype]
-
-
 def load_hf_model(
     model: str,
     dtype: torch.dtype,
@@ -305,6 +287,8 @@ def run_hf_baseline(
     `eos_token_ids`: the engine's stop ids; without ignore_eos both sides must stop on the same
     tokens, and a checkpoint's generation_config may list fewer than the engine uses.
     """
+    from specserve.engine.llm_engine import resolve_device, resolve_dtype
+
     dev = resolve_device(device)
     hf = load_hf_model(model, resolve_dtype(dtype, dev), dev, hf_config)
     if eos_token_ids:

@@ -12,13 +12,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.engine.sequence import Sequence
-from specserve.spec.step_cost import StepCostCurve, default_buckets
-from specserve.spec.verify_budget import choose_verify_budget
+from specserve.runner.cuda_graph import capture_sizes
+from specserve.spec.step_cost import StepCostCurve
+from specserve.spec.verify_budget import choose_verify_budget, survivals
 
 if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine
 
 CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
+# every EXPLORE_EVERY-th step verifies all drafts whatever the chooser says: the curve and the
+# acceptance estimates only learn from steps that run, so a pessimistic start (a curve measured on
+# a busy machine, the prior confidences) would otherwise never be corrected
+EXPLORE_EVERY = 16
 
 
 class VerifyBudgetPolicy:
@@ -27,11 +32,12 @@ class VerifyBudgetPolicy:
         k = engine.slot_pool.k
         self.max_rows = engine.max_num_batched_tokens
         self.curve = self._load_or_calibrate(
-            default_buckets(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
+            capture_sizes(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
         )
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
+        self._calls = 0
 
     # -- curve ----------------------------------------------------------------------------------
     def _cache_path(self, root: Path | None, buckets: list[int]) -> Path | None:
@@ -84,10 +90,19 @@ class VerifyBudgetPolicy:
         base = len(ready) + min(prefill, max(0, self.max_rows - len(ready)))
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
+        keep = choice.num_verify
+        self._calls += 1
+        if self._calls % EXPLORE_EVERY == 0:
+            room = max(0, self.max_rows - base)
+            keep = [min(len(d), room) for d in drafts]  # the scheduler trims to the budget too
+            choice = choice._replace(
+                expected_tokens=len(ready)
+                + sum(sum(survivals(c[:m])) for c, m in zip(usable, keep))
+            )
         self.offered_rows += sum(len(d) for d in drafts)
-        self.chosen_rows += sum(choice.num_verify)
+        self.chosen_rows += sum(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
-        return choice.num_verify
+        return keep
 
 
 def _sync(device: torch.device) -> None:

@@ -11,19 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def default_buckets(max_rows: int) -> list[int]:
-    out, b = [], 1
-    while b < max_rows:
-        out.append(b)
-        b = b * 2 if b < 16 else b + (16 if b < 128 else 64)
-    out.append(max_rows)
-    return out
-
-
 class StepCostCurve:
     def __init__(self, buckets: list[int], window: int = 32) -> None:
         self.buckets = sorted(set(buckets))
         self._samples: list[deque[float]] = [deque(maxlen=window) for _ in self.buckets]
+        # buckets that have seen a real step: their start-up (or cached) samples are dropped then,
+        # since a calibration run on a busy machine can be far off and would never be outvoted
+        self._observed = [False] * len(self.buckets)
         self._envelope: list[float] | None = None
 
     # -- measurement ----------------------------------------------------------------------------
@@ -44,6 +38,9 @@ class StepCostCurve:
         b = self.buckets[i]
         if self._samples[i] and rows != b:
             seconds *= self(b) / max(self(rows), 1e-12)
+        if not self._observed[i]:
+            self._observed[i] = True
+            self._samples[i].clear()
         self._samples[i].append(seconds)
         self._envelope = None
 

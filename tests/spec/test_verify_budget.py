@@ -4,7 +4,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.spec.step_cost import StepCostCurve, default_buckets
+from specserve.spec.step_cost import StepCostCurve
 from specserve.spec.verify_budget import choose_verify_budget, survivals
 
 conf_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=4)
@@ -65,6 +65,27 @@ def test_zero_confidence_verifies_nothing_and_certain_drafts_are_taken():
     assert choose_verify_budget([[0.3, 0.3]], 1, steep, 64).num_verify == [0]
 
 
+def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
+    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+
+    class Sched:
+        running, waiting, max_num_seqs = [], [], 4
+
+    class Eng:
+        scheduler = Sched()
+
+    policy = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
+    policy.engine, policy.max_rows = Eng(), 64
+    policy.curve = StepCostCurve([1, 2, 4, 8])
+    policy.curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # busy-machine curve
+    policy.expected_accepted, policy.chosen_rows, policy.offered_rows, policy._calls = 0.0, 0, 0, 0
+    kept = [policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) for _ in range(EXPLORE_EVERY)]
+    assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
+    for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
+        policy.curve.record(4, 1.05)
+    assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
+
+
 def test_high_load_shrinks_speculation_to_nothing():
     # 64 decode requests, cost linear in rows: a 40% draft is not worth a 1/64 longer step... at
     # this load each extra row costs ~1/64 of the step but brings 0.4/64 of its tokens
@@ -83,8 +104,11 @@ def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
     for _ in range(40):  # online refinement: recent medians win over the calibration
         curve.record(8, 0.5)
     assert math.isclose(curve(8), 0.5)
+    for _ in range(5):
+        curve.record(2, 0.03)  # real steps replace the start-up samples of their bucket
+    assert math.isclose(curve(2), 0.03)
     curve.record(2, 10.0)  # one outlier moves no median
-    assert curve(2) < 0.1
+    assert math.isclose(curve(2), 0.03)
     # a bucket measured slower than a larger one is capped by it (padding up is allowed)
     jag = StepCostCurve([1, 2, 4])
     jag.calibrate(lambda rows: {1: 1.0, 2: 3.0, 4: 2.0}[rows], reps=1)
@@ -94,4 +118,3 @@ def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
     again = StepCostCurve.load(path, [1, 2, 4, 8])
     assert again is not None and math.isclose(again(8), curve(8))
     assert StepCostCurve.load(path, [1, 2]) is None
-    assert default_buckets(100)[-1] == 100 and default_buckets(100)[0] == 1
