@@ -180,9 +180,9 @@ def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(
-        f"{args.method} speculation, {args.dataset}, {args.max_tokens} tokens, {hardware_info().get('device', '')}"
-    )
+    hw = hardware_info()
+    where = ", ".join(hw.get("gpus", [])) or f"{hw.get('cpu', 'CPU')} x{hw.get('cpu_cores', '?')}"
+    ax.set_title(f"{args.method} speculation, {args.dataset}, {args.max_tokens} tokens, {where}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
