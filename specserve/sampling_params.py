@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class InvalidRequestError(ValueError):
@@ -32,8 +32,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: sampled token + top-N
     skip_special_tokens: bool = True
-    # teacher forcing for benchmarks/tests: emitted tokens are forced to these ids
-    golden_token_ids: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
