@@ -52,6 +52,7 @@ class ThroughputSettings:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     hf_batch_size: int | None = None  # None: min(max_num_seqs, num_prompts)
     input_len: int = 128  # prompt length of the random dataset (the longest, with input_len_min)
@@ -219,6 +220,8 @@ def make_llm(s: ThroughputSettings) -> Any:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     if not s.enable_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if s.enforce_eager:
+        kwargs["enforce_eager"] = True
     return LLM(**kwargs)
 
 

@@ -19,9 +19,9 @@ def _add_throughput_parser(sub: Any) -> None:
         description="Run a request set through specserve (and, with --baseline hf, through HF "
         "transformers on the same prompts and settings) and report tokens/s.",
     )
-    p.add_argument(
-        "--model", default=None, help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M"
-    )
+    from specserve.cli.main import add_engine_args
+
+    add_engine_args(p)  # --model, --dtype, --device, --max-num-seqs, --speculative-config, ...
     p.add_argument("--dataset", choices=("sharegpt", "humaneval", "random"), default="sharegpt")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument(
@@ -40,25 +40,14 @@ def _add_throughput_parser(sub: Any) -> None:
         action="store_true",
         help="one request at a time; report per-request decode tok/s and the median",
     )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
     p.add_argument("--baseline", choices=("hf",), default=None, help="also run HF transformers")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: min(max-num-seqs, N)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="recompute every prompt, as the HF baseline does",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")
 
@@ -105,6 +94,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         hf_batch_size=args.hf_batch_size,
         input_len=args.input_len,
