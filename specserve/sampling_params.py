@@ -32,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N >= 0: sampled token + top-N
     skip_special_tokens: bool = True
+    # teacher forcing (benchmarks, tests): output token i is golden_token_ids[i] while there is one;
+    # drafts are accepted exactly when they match it, so acceptance can be dialled in
+    golden_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,3 +99,7 @@ class SamplingParams:
             bad("stop must be non-empty strings", "stop")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed must be an integer", "seed")
+        if self.golden_token_ids is not None and any(
+            not isinstance(t, int) or t < 0 for t in self.golden_token_ids
+        ):
+            bad("golden_token_ids must be non-negative token ids", "golden_token_ids")

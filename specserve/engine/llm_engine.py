@@ -181,6 +181,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(i < 0 or i >= vocab for i in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if params.golden_token_ids and max(params.golden_token_ids) >= vocab:
+            raise InvalidRequestError(
+                f"golden_token_ids must be in [0, {vocab})", "golden_token_ids"
+            )
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

@@ -59,7 +59,7 @@ class StepSampler:
         if any(s.params.has_penalties for s in seqs):
             proc = self._penalize(proc, seqs, drafts)
         proc = self._mask_min_tokens(proc, seqs, drafts)
-        result = verify(proc, draft_ids, draft_probs, t, layout)
+        result = verify(proc, draft_ids, draft_probs, t, layout, self._forced(seqs, drafts))
 
         verified = result.verified_token_ids.tolist()
         sampled = result.sampled_token_ids.tolist()
@@ -77,6 +77,17 @@ class StepSampler:
             top_ids, top_lps = lr.top_ids.tolist(), lr.top_logprobs.tolist()
         host = HostStepResult(verified, sampled, accepted, lp, ranks, top_ids, top_lps)
         return result, host
+
+    def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+        """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""
+        if all(s.params.golden_token_ids is None for s in seqs):
+            return None
+        rows: list[int] = []
+        for seq, d in zip(seqs, drafts):
+            gold = seq.params.golden_token_ids or []
+            n = seq.num_output_tokens
+            rows.extend(gold[n + j] if n + j < len(gold) else -1 for j in range(len(d) + 1))
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def _penalize(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]

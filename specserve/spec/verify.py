@@ -58,9 +58,14 @@ def verify(
     draft_probs: torch.Tensor | None,  # [total_q, V] q at verify rows; None = one-hot (model-free)
     t: SamplingTensors,  # per row
     layout: RowLayout,
+    forced: torch.Tensor | None = None,  # [total_q] int64 golden token per row, -1 = none
 ) -> VerifyResult:
+    """forced (teacher forcing): a row with a golden token accepts its draft iff it equals it and,
+    as the final row, emits it; rows without one behave as usual."""
     if t.all_greedy:
         target = logits.argmax(dim=-1)  # [total_q]
+        if forced is not None:
+            target = torch.where(forced >= 0, forced, target)
         accept = target == draft_token_ids
         accepted, num_accepted = prefix_accept(accept, layout)
         final_rows = layout.ftp + num_accepted
@@ -71,6 +76,8 @@ def verify(
         # and a seeded request then emits the very tokens it would emit with speculation off.
         p = target_probs(logits, t)  # [total_q, V]
         x = sample(p, t, SAMPLE_SALT)  # [total_q]
+        if forced is not None:
+            x = torch.where(forced >= 0, forced, x)
         accepted, num_accepted = prefix_accept(x == draft_token_ids, layout)
         final_rows = layout.ftp + num_accepted
         sampled = x[final_rows]
@@ -80,7 +87,10 @@ def verify(
         q_draft = draft_probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
         u = hashed_uniform(t.seed, t.counter, ACCEPT_SALT, 1).squeeze(1)  # [total_q]
         # accept with probability min(1, p/q): u * q < p (q > 0 for a drafted token)
-        accepted, num_accepted = prefix_accept(u * q_draft < p_draft, layout)
+        accept = u * q_draft < p_draft
+        if forced is not None:
+            accept = torch.where(forced >= 0, draft_token_ids == forced, accept)
+        accepted, num_accepted = prefix_accept(accept, layout)
         final_rows = layout.ftp + num_accepted
         p_final = p[final_rows]  # [R, V]
         residual = (p_final - draft_probs[final_rows]).clamp_min_(0.0)
@@ -90,5 +100,7 @@ def verify(
         probs = torch.where(final_is_verify & has_mass, residual, p_final)
         # sample() needs no normalisation; the final rows' own seeds/counters key the draw
         sampled = _sample_rows(probs, t, final_rows)
+        if forced is not None:
+            sampled = torch.where(forced[final_rows] >= 0, forced[final_rows], sampled)
     verified = torch.where(accepted, draft_token_ids, torch.full_like(draft_token_ids, -1))
     return VerifyResult(verified.to(torch.int32), sampled, num_accepted, final_rows)
