@@ -11,12 +11,15 @@ from specserve.sampling_params import InvalidRequestError
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model"
+    method: (
+        str  # "ngram" | "draft_model" | "golden" (benchmarks: golden_token_ids + acceptance_rate)
+    )
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     model: str | None = None  # draft model for method="draft_model"
     verify_budget: str = "auto"  # "auto" | "off"
+    acceptance_rate: float = 1.0  # method "golden": chance each draft matches the golden token
     extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -30,9 +33,9 @@ class SpeculativeConfig:
                 raise InvalidRequestError(f"speculative config is not valid JSON: {e}") from None
         spec = dict(spec)
         method = spec.pop("method", None)
-        if method not in ("ngram", "draft_model"):
+        if method not in ("ngram", "draft_model", "golden"):
             raise InvalidRequestError(
-                f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}",
+                f"speculative_config.method must be 'ngram', 'draft_model' or 'golden', got {method!r}",
                 "speculative_config",
             )
         k = spec.pop("num_speculative_tokens", None)
@@ -41,7 +44,13 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}",
                 "speculative_config",
             )
-        known = {"prompt_lookup_min", "prompt_lookup_max", "model", "verify_budget"}
+        known = {
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+            "verify_budget",
+            "acceptance_rate",
+        }
         cfg = SpeculativeConfig(
             method, k, **{key: spec.pop(key) for key in list(spec) if key in known}
         )
@@ -55,6 +64,8 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config"
             )
+        if not 0.0 <= cfg.acceptance_rate <= 1.0:
+            raise InvalidRequestError("acceptance_rate must be in [0, 1]", "speculative_config")
         if cfg.verify_budget not in ("auto", "off"):
             raise InvalidRequestError("verify_budget must be 'auto' or 'off'", "speculative_config")
         return cfg

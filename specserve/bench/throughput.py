@@ -53,6 +53,8 @@ class ThroughputSettings:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
+    # golden tokens: outputs are forced and each draft matches with this probability (issue 5)
+    acceptance_rate: float | None = None
     enable_prefix_caching: bool = True
     hf_batch_size: int | None = None  # None: min(max_num_seqs, num_prompts)
     input_len: int = 128  # prompt length of the random dataset (the longest, with input_len_min)
@@ -90,8 +92,18 @@ def build_requests(s: ThroughputSettings, tokenizer: Any, vocab_size: int) -> li
 
 
 def _params(s: ThroughputSettings, r: BenchRequest) -> SamplingParams:
+    golden = None
+    if s.acceptance_rate is not None:
+        # any fixed continuation will do with random weights; ids below every preset's vocab
+        golden = [
+            100 + (7919 * (i + 1) + len(r.prompt_token_ids)) % 40000 for i in range(r.output_len)
+        ]
     return SamplingParams(
-        temperature=0.0, max_tokens=r.output_len, ignore_eos=s.ignore_eos, seed=s.seed
+        temperature=0.0,
+        max_tokens=r.output_len,
+        ignore_eos=s.ignore_eos,
+        seed=s.seed,
+        golden_token_ids=golden,
     )
 
 
@@ -205,9 +217,18 @@ def _vocab_size(llm: Any) -> int:
 def make_llm(s: ThroughputSettings) -> Any:
     from specserve import LLM
 
+    spec = s.speculative_config
+    if s.acceptance_rate is not None:
+        k = (spec or {}).get("num_speculative_tokens", 4)
+        spec = {
+            "method": "golden",
+            "num_speculative_tokens": k,
+            "acceptance_rate": s.acceptance_rate,
+        }
+        spec["verify_budget"] = (s.speculative_config or {}).get("verify_budget", "off")
     kwargs: dict[str, Any] = dict(
         model=s.model,
-        speculative_config=s.speculative_config,
+        speculative_config=spec,
         dtype=s.dtype,
         device=s.device,
         max_num_seqs=s.max_num_seqs,

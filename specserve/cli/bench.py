@@ -48,6 +48,13 @@ def _add_throughput_parser(sub: Any) -> None:
         action="store_false",
         help="recompute every prompt, as the HF baseline does",
     )
+    p.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=None,
+        help="golden tokens: force the outputs and accept each draft with this probability "
+        "(k from --speculative-config, default 4)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")
 
@@ -95,6 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        acceptance_rate=args.acceptance_rate,
         enable_prefix_caching=args.enable_prefix_caching,
         hf_batch_size=args.hf_batch_size,
         input_len=args.input_len,

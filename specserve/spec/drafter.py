@@ -29,6 +29,12 @@ class Drafter(Protocol):
 
 
 def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
+    if spec.method == "golden":
+        from specserve.spec.golden import GoldenDrafter
+
+        return GoldenDrafter(
+            spec.acceptance_rate, engine.model_config.vocab_size, engine.config.seed
+        )
     if spec.method == "ngram":
         from specserve.spec.ngram import NgramDrafter
 

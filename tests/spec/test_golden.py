@@ -11,33 +11,6 @@ from tests.engine.conftest import make_llm, prompts_of
 GOLD = [random.Random(0).randrange(3, 49000) for _ in range(40)]
 
 
-class GoldenDrafter:
-    """Proposes the golden continuation, each draft right with probability `rate`."""
-
-    has_q = False
-
-    def __init__(self, rate: float) -> None:
-        self.rate, self.rng = rate, random.Random(1)
-
-    def propose(self, seqs, limits):
-        out = []
-        for s, k in zip(seqs, limits):
-            gold = s.params.golden_token_ids
-            n = s.num_output_tokens
-            d = [
-                gold[n + j] if self.rng.random() < self.rate else (gold[n + j] + 1) % 49152
-                for j in range(min(k, len(gold) - n))
-            ]
-            out.append((d, [self.rate] * len(d)))
-        return out
-
-    def observe(self, seq, nd, na):
-        pass
-
-    def release(self, seq):
-        pass
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_golden_tokens_are_emitted_with_and_without_speculation(temperature):
     prompts = prompts_of([7, 20], seed=12)
@@ -55,10 +28,8 @@ def test_golden_tokens_are_emitted_with_and_without_speculation(temperature):
 
 @pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
 def test_acceptance_follows_the_dialled_rate(rate):
-    llm = make_llm(
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "verify_budget": "off"}
-    )
-    llm.engine.drafter = GoldenDrafter(rate)
+    cfg = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": rate}
+    llm = make_llm(speculative_config=cfg | {"verify_budget": "off"})
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, golden_token_ids=GOLD)
     outs = llm.generate(prompts_of([5] * 6, seed=13), sp, use_tqdm=False)
     assert all(o.outputs[0].token_ids == GOLD for o in outs)
@@ -72,3 +43,24 @@ def test_golden_ids_outside_the_vocabulary_are_refused():
     llm = make_llm()
     with pytest.raises(InvalidRequestError):
         llm.generate([[5, 6]], SamplingParams(golden_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_bench_acceptance_rate_dials_in_acceptance():
+    from specserve.bench.throughput import ThroughputSettings, run_throughput
+
+    s = ThroughputSettings(
+        model="dummy:tiny",
+        dataset="random",
+        num_prompts=3,
+        max_tokens=21,
+        ignore_eos=True,
+        input_len=8,
+        device="cpu",
+        dtype="float32",
+        acceptance_rate=1.0,
+        speculative_config={"num_speculative_tokens": 4},
+    )
+    report = run_throughput(s, verbose=False)
+    m = report["engine_metrics"]
+    assert m["spec_acceptance_per_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert m["spec_mean_acceptance_length"] == pytest.approx(5.0)
