@@ -88,3 +88,6 @@ class EngineConfig:
     debug_invariants: bool = False
     cache_step_cost: bool = True  # keep the measured step-cost curve under $SPECSERVE_CACHE
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode/verify steps (same numbers)
+    # Overlap scheduling (ZOS): build step N+1 while the device runs step N, the ledger one
+    # step late. None = on for CUDA without a host-side drafter; True forces it (CPU tests).
+    overlap: bool | None = None

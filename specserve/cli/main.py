@@ -29,6 +29,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA: run decode/verify steps without CUDA graphs (no capture at start-up)",
     )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        default=None,
+        help="synchronous steps: no overlap of host scheduling with the device's step",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        overlap=args.overlap,
     )
 
 

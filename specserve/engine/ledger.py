@@ -93,23 +93,34 @@ class Ledger:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
-    def process_outputs(self, batch: StepBatch, res: HostStepResult | None) -> list[TokenOutput]:
+    def process_outputs(
+        self, batch: StepBatch, res: HostStepResult | None, out_step: int | None = None
+    ) -> list[TokenOutput]:
         """Append tokens one at a time with a stop check after each; commit the KV ledger; free
-        finished requests; one pooled output per emitted token, finish_reason on the last."""
-        step = batch.step
+        finished requests; one pooled output per emitted token, finish_reason on the last.
+        out_step: the step whose outputs these are for the pool (under overlap, the step being
+        handed to the caller, one after the batch's own)."""
+        step = batch.step if out_step is None else out_step
         outputs: list[TokenOutput] = []
         now = time.perf_counter()
         r = 0  # index among sampling requests
         row = 0  # first row of request r in the verify layout
-        for seq, qlen, nd, samples in zip(
-            batch.seqs, batch.query_lens, batch.num_drafts, batch.samples
+        for seq, qlen, nd, samples, epoch in zip(
+            batch.seqs, batch.query_lens, batch.num_drafts, batch.samples, batch.epochs
         ):
+            seqlen_q = nd + 1
+            if seq.is_finished or seq.epoch != epoch:
+                # Overlap: it stopped, aborted or was preempted after this step was scheduled.
+                # pushed_tokens_before_finish = 0; its KV went with its blocks.
+                if samples:
+                    r += 1
+                    row += seqlen_q
+                continue
             if not samples:  # mid-prefill chunk: all rows kept, nothing emitted
-                seq.commit_processed_tokens(qlen)
                 self._register_blocks(seq)
                 continue
             assert res is not None
-            seqlen_q = nd + 1
+            seq.num_pending = max(0, seq.num_pending - 1)
             accepted = res.num_accepted[r]
             tokens = res.verified_token_ids[row : row + accepted]
             tokens.append(res.sampled_token_ids[r])
@@ -123,7 +134,7 @@ class Ledger:
                 if stop is not None:
                     break
             # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
-            seq.commit_processed_tokens(qlen - nd + accepted)
+            seq.commit_processed_tokens(qlen, qlen - nd + accepted)
             if nd > accepted:
                 self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
             self.num_generated_tokens += pushed

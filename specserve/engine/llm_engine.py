@@ -5,19 +5,20 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.ledger import HostStepResult, Ledger
+from specserve.engine.ledger import Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.model.loader import cache_dir, load_model
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
-from specserve.runner.step_sampler import StepSampler
+from specserve.runner.step_sampler import SampledStep, StepSampler
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
@@ -44,6 +45,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of {sorted(table)}", "dtype")
     return table[dtype]
+
+
+class LaunchedStep(NamedTuple):
+    batch: StepBatch
+    seqs: list[Sequence]  # its sampling requests, in verify-layout order
+    sampled: SampledStep | None  # None: a step of prefill chunks only
+    t0: float  # host time at launch (the step-cost curve)
 
 
 @dataclass
@@ -80,9 +88,29 @@ class LLMEngine:
         self.target_model = loaded.model
         spec = config.speculative_config
         self.drafter = build_drafter(spec, self) if spec else None
+        # Host-side drafters need the step's tokens on the host before they can draft the next
+        # step, so overlap runs without one (a device-side drafter could lift this).
+        self.overlap = (
+            config.overlap
+            if config.overlap is not None
+            else self.device.type == "cuda" and self.drafter is None
+        )
+        if self.overlap and self.drafter is not None:
+            raise InvalidRequestError(
+                "overlap scheduling needs a device-side drafter; run speculation with overlap off",
+                "overlap",
+            )
+        # one slot per running request: drafts live there, and so does the token each request
+        # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
         self.slot_pool = (
-            DraftSlotPool(config.max_num_seqs, k, mc.vocab_size, self.drafter.has_q, self.device)
-            if spec
+            DraftSlotPool(
+                config.max_num_seqs,
+                k,
+                mc.vocab_size,
+                self.drafter is not None and self.drafter.has_q,
+                self.device,
+            )
+            if spec or self.overlap
             else None
         )
         self.runner = ModelRunner(
@@ -94,6 +122,7 @@ class LLMEngine:
             config.block_size,
             self.dtype,
             self.device,
+            config.max_num_seqs,
         )
         # Before the verify budget's calibration below, so the step-cost curve times the graphs.
         self.runner.init_cuda_graphs(
@@ -130,6 +159,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_steps = 0
+        self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self.budget = (
             VerifyBudgetPolicy(self, cache_dir() if config.cache_step_cost else None)
             if spec is not None and spec.verify_budget == "auto"
@@ -222,23 +252,35 @@ class LLMEngine:
         """After an internal error: end every unfinished request (blocks, slots freed) so the
         engine is clean again. Returns them; their terminal outputs come with the next step."""
         failed = [s for s in self.requests.values() if not s.is_finished]
+        self._inflight = None  # its requests are all aborted below: nothing to read back
         for seq in failed:
             self.abort(seq.request_id)
         return failed
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        """Synchronous: schedule, launch and process step N. Overlap: schedule and launch step
+        N+1, then process step N (still running on the device until its readback arrives, while
+        N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
+        outputs: list[TokenOutput] = []
+        if self._inflight is not None and self._needs_sync():
+            outputs += self._process(self._inflight, self.scheduler.step_id + 1)
+            self._inflight = None
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
-        outputs: list[TokenOutput] = []
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
             outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
+        launched = None
         if not batch.is_empty:
             self.num_steps += 1
-            host = self._execute(batch)
-            outputs.extend(self.ledger.process_outputs(batch, host))
-            if self.drafter is not None:
-                self._propose_drafts()
+            launched = self._launch(batch)
+        if not self.overlap:
+            if launched is not None:
+                outputs += self._process(launched, batch.step)
+        else:
+            if self._inflight is not None:
+                outputs += self._process(self._inflight, batch.step)
+            self._inflight = launched
         for out in outputs:
             if out.finished:
                 seq = self.requests.pop(out.request_id, None)
@@ -248,25 +290,50 @@ class LLMEngine:
             self.check_invariants()
         return outputs
 
-    def _execute(self, batch: StepBatch) -> HostStepResult | None:
-        """Forward the step's rows and verify its sampling requests (None if it has none)."""
+    def _needs_sync(self) -> bool:
+        """Penalties read every output token on the host: a step with such a request waits for
+        the step in flight first."""
+        return any(s.params.has_penalties for s in self.requests.values())
+
+    def _launch(self, batch: StepBatch) -> LaunchedStep:
+        """Queue the step's forward and verification on the device; nothing waits for it."""
         t0 = time.perf_counter()
         logits = self.runner.forward(self.runner.prepare(batch))
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
-        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-        host = None
+        sampled = None
         if seqs:
-            host = self.sampler.run(logits, seqs, drafts, self._draft_q(seqs, drafts))[1]
-        if self.slot_pool is not None and host is not None:
+            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+            sampled = self.sampler.launch(
+                logits,
+                seqs,
+                drafts,
+                self._draft_q(seqs, drafts),
+                self.runner.next_tokens if self.overlap else None,
+            )
+            if self.overlap:
+                for s in seqs:
+                    s.num_pending += 1
+        return LaunchedStep(batch, seqs, sampled, t0)
+
+    def _process(self, launched: LaunchedStep, out_step: int) -> list[TokenOutput]:
+        """Wait for a launched step's results (the designed sync point), run the ledger and,
+        with a drafter, draft the next step. Outputs belong to out_step for the pool."""
+        batch, seqs = launched.batch, launched.seqs
+        host = launched.sampled.wait() if launched.sampled is not None else None
+        if self.drafter is not None and host is not None:
             pool = self.slot_pool
+            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
             confs = [pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
             host = host._replace(draft_confidences=confs)
             for s, d, acc in zip(seqs, drafts, host.num_accepted):
                 if d:
                     self.drafter.observe(s, len(d), acc)
         if self.budget is not None:
-            self.budget.record_step(batch.num_rows, time.perf_counter() - t0)
-        return host
+            self.budget.record_step(batch.num_rows, time.perf_counter() - launched.t0)
+        outputs = self.ledger.process_outputs(batch, host, out_step)
+        if self.drafter is not None:
+            self._propose_drafts()
+        return outputs
 
     def _draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q, V] draft distributions of the verify layout's rows (rows that verify

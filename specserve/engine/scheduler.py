@@ -23,6 +23,8 @@ class StepBatch:
     num_drafts: list[int]
     samples: list[bool]
     drafts: list[list[int]]
+    starts: list[int] = field(default_factory=list)  # KV position of each request's first row
+    epochs: list[int] = field(default_factory=list)  # seq.epoch when scheduled
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -89,6 +91,10 @@ class Scheduler:
         seq.num_cached_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        # a step in flight for it pushes nothing: its pending token is sampled again after the
+        # recompute (same RNG counter, so the same token)
+        seq.num_pending = 0
+        seq.epoch += 1
         self.waiting.appendleft(seq)
 
     # -- one step -----------------------------------------------------------------------------
@@ -102,6 +108,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
+            if seq.num_pending and self._ends_with_pending(seq):
+                idx += 1  # finishes when the ledger reads its step in flight: nothing to run
+                continue
             remaining = seq.num_uncomputed_tokens
             d: list[int] = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []
             if d:
@@ -148,6 +157,15 @@ class Scheduler:
                 budget -= rows
         return batch
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Under overlap: the step in flight already takes the request to max_tokens or
+        max_model_len, so scheduling another row for it would only be discarded."""
+        n_tokens = seq.num_tokens + seq.num_pending
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and n_tokens - seq.num_prompt_tokens >= max_tokens:
+            return True
+        return n_tokens >= self.max_model_len
+
     def _release_slot(self, seq: Sequence) -> None:
         if self.slots is not None and seq.slot:
             self.slots.release(seq.slot)
@@ -160,7 +178,9 @@ class Scheduler:
 
     def _add_to_batch(self, batch: StepBatch, seq: Sequence, rows: int, drafts: list[int]) -> None:
         self.bm.allocate(seq.block_table, seq.num_computed_tokens + rows)
-        samples = seq.num_computed_tokens + rows - len(drafts) == seq.num_tokens
+        samples = seq.num_computed_tokens + rows - len(drafts) == seq.num_tokens + seq.num_pending
+        batch.starts.append(seq.num_computed_tokens)
+        batch.epochs.append(seq.epoch)
         seq.advance_optimistically(rows)
         batch.seqs.append(seq)
         batch.query_lens.append(rows)

@@ -49,6 +49,11 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: BlockTable = field(default_factory=BlockTable)
     slot: int = 0  # draft slot; 0 = none (slot 0 is padding and never handed out)
+    # Overlap scheduling: tokens the step in flight will append once the ledger processes it
+    # (their ids live on the device meanwhile), and a counter bumped at each preemption so the
+    # ledger can tell a step scheduled before the preemption from one after it.
+    num_pending: int = 0
+    epoch: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
@@ -82,12 +87,16 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose KV is still to be written; the last one is fed as this step's anchor row."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose KV is still to be written (pending ones included); the last one is fed as
+        this step's anchor row."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     def advance_optimistically(self, num_rows: int) -> None:
         self.num_computed_before_step = self.num_computed_tokens
         self.num_computed_tokens += num_rows
 
-    def commit_processed_tokens(self, num_kept_rows: int) -> None:
-        self.num_computed_tokens = self.num_computed_before_step + num_kept_rows
+    def commit_processed_tokens(self, num_rows: int, num_kept_rows: int) -> None:
+        """The ledger keeps num_kept_rows of the num_rows a step advanced by: roll back the rest.
+        Relative, because under overlap scheduling a later step may already have advanced the
+        ledger again (its rows start after all of this step's rows, as scheduled)."""
+        self.num_computed_tokens -= num_rows - num_kept_rows

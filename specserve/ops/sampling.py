@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.ops.random import hashed_uniform, to_int64_bits
+from specserve.ops.transfer import h2d
 from specserve.sampling_params import SamplingParams
 
 # Salts give independent random streams for the same (seed, counter). The verifier draws its
@@ -72,17 +73,19 @@ class SamplingTensors:
         top_p = [1.0 if g else float(p.top_p) for p, g in zip(params, greedy)]
         min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
 
+        dev = torch.device(device)
+
         def f32(xs: list[float]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=device)
+            return h2d(xs, torch.float32, dev)
 
         return cls(
             temperature=f32(temperature),
-            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+            top_k=h2d(top_k, torch.int32, dev),
             top_p=f32(top_p),
             min_p=f32(min_p),
             # Seeds may be any Python int (negative, or >= 2**63); keep their low 64 bits.
-            seed=torch.tensor([to_int64_bits(s) for s in seeds], dtype=torch.int64, device=device),
-            counter=torch.tensor(list(counters), dtype=torch.int64, device=device),
+            seed=h2d([to_int64_bits(s) for s in seeds], torch.int64, dev),
+            counter=h2d(list(counters), torch.int64, dev),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             any_top_k=any(k > 0 for k in top_k),

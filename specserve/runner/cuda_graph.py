@@ -80,13 +80,15 @@ class CudaGraphBackend:
 
 class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
-    device, so one copy moves them all: int64 ids | positions | slots [Tb each], then int32
-    query_lens [Bb] | cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of
-    the step's real requests, compact [B, w] (scattered into the [Bb, W] table on the device)."""
+    device, so one copy moves them all: int64 ids | positions | slots | pending [Tb each], then
+    int32 query_lens [Bb] | cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block
+    tables of the step's real requests, compact [B, w] (scattered into the [Bb, W] table on the
+    device). pending[r] > 0: row r's token is still on the device (overlap scheduling), read
+    from next_tokens[pending[r]] inside the graph."""
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.i32_at = 24 * rows
+        self.i32_at = 32 * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
         self.max_bytes = self.bt_at + 4 * reqs * width
 
@@ -94,7 +96,15 @@ class _Layout:
         t, b = self.rows, self.reqs
         a = buf[: self.i32_at].view(i64)
         c = buf[self.i32_at : self.bt_at].view(i32)
-        return a[:t], a[t : 2 * t], a[2 * t :], c[:b], c[b : 2 * b + 1], c[2 * b + 1 :]
+        return (
+            a[:t],
+            a[t : 2 * t],
+            a[2 * t : 3 * t],
+            a[3 * t :],
+            c[:b],
+            c[b : 2 * b + 1],
+            c[2 * b + 1 :],
+        )
 
 
 @dataclass
@@ -104,6 +114,7 @@ class _Bucket:
     ids: torch.Tensor  # [Tb] int64, device views into the static buffer
     positions: torch.Tensor  # [Tb] int64
     slots: torch.Tensor  # [Tb] int64, -1 on padding rows
+    pending: torch.Tensor  # [Tb] int64, slot whose next token feeds the row; 0 = ids[r]
     query_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
     cu_query_lens: torch.Tensor  # [Bb + 1] int32, flat (= T) after the real requests
     context_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
@@ -136,8 +147,10 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device,
         vocab_size: int,
+        next_tokens: torch.Tensor,  # [slots] int64, the runner's device-resident sampled tokens
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.next_tokens = next_tokens
         self.block_size = block_size
         self.max_query_len = max_rows_per_seq
         # Rows may run up to k positions past max_model_len while verifying near the end.
@@ -153,12 +166,13 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         # Plain (not inference-mode) tensors: writable inside and outside inference mode.
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._host_np = self._host.numpy()
+        # two staging buffers used in turn: filling one never waits for the copy of the other
+        self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self._bt = torch.zeros(layouts[-1].reqs, self.width, dtype=torch.int32, device=device)
         self._logits = torch.zeros(self.sizes[-1], vocab_size, device=device)  # [Tmax, V] fp32
-        # set once the H2D copy that reads the pinned staging buffer has run
-        self._copied = torch.cuda.Event() if pin else None
+        # set once the H2D copy that reads each pinned staging buffer has run
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._buckets = []
         for lay, t in zip(layouts, self.sizes):
             views = lay.split(self._dev, torch.int64, torch.int32)
@@ -193,6 +207,7 @@ class DecodeGraphs:
         b.ids.zero_()
         b.positions.zero_()
         b.slots.fill_(-1)
+        b.pending.zero_()
         b.query_lens.zero_()
         b.cu_query_lens.zero_()
         b.context_lens.zero_()
@@ -207,12 +222,17 @@ class DecodeGraphs:
             max_query_len=b.max_query_len,
             max_context_len=self.max_context_len,
         )
-        hidden = self.model(b.ids, b.positions, self.kv_caches, ctx)
+        ids = torch.where(b.pending > 0, self.next_tokens[b.pending], b.ids)
+        hidden = self.model(ids, b.positions, self.kv_caches, ctx)
         return self.model.compute_logits(hidden)
 
     # -- one step -----------------------------------------------------------------------------
     def prepare(
-        self, rows: Sequence[list[int]], starts: Sequence[int], tables: Sequence[list[int]]
+        self,
+        rows: Sequence[list[int]],
+        starts: Sequence[int],
+        tables: Sequence[list[int]],
+        pending: np.ndarray | None = None,  # [T] int64, see _Layout
     ) -> BucketStep | None:
         """Host layout of a step whose every row wants logits, or None if it is not eligible."""
         nreq = len(rows)
@@ -226,7 +246,7 @@ class DecodeGraphs:
             return None
         lay = b.layout
         packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
-        ids, pos, slots, q, cu, ctx = lay.split(packed, np.int64, np.int32)
+        ids, pos, slots, pend, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
         bt.fill(0)
         for i, blocks in enumerate(tables):
@@ -241,6 +261,8 @@ class DecodeGraphs:
         bs = self.block_size
         slots[:t] = bt[req, p // bs].astype(np.int64) * bs + p % bs
         ids[t:], pos[t:], slots[t:] = 0, 0, -1
+        pend[:t] = 0 if pending is None else pending
+        pend[t:] = 0
         q[:nreq], q[nreq:] = qlens, 0
         cu[: nreq + 1], cu[nreq + 1 :] = cum, t
         ctx[:nreq], ctx[nreq:] = start + qlens, 0
@@ -253,12 +275,15 @@ class DecodeGraphs:
         replay overwrites: consume it before the next step (the engine does)."""
         b = step.bucket
         n = step.packed.nbytes
+        host = self._host[self._turn]
         if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy may still read the staging
-        self._host_np[:n] = step.packed
-        self._dev[:n].copy_(self._host[:n], non_blocking=True)
+            # the copy of two steps ago read this buffer; it ran before the previous step did
+            self._copied[self._turn].synchronize()
+        host.numpy()[:n] = step.packed
+        self._dev[:n].copy_(host[:n], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied[self._turn].record()
+        self._turn ^= 1
         nreq, w = step.num_reqs, step.width
         stage = self._dev[b.layout.bt_at : b.layout.bt_at + 4 * nreq * w].view(torch.int32)
         self._bt[:nreq, :w].copy_(stage.view(nreq, w))

@@ -14,6 +14,7 @@ import torch
 
 from specserve.engine.scheduler import StepBatch
 from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
 
@@ -49,8 +50,13 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
+        # [slots] the token each request sampled in its latest step, indexed by its slot (0 =
+        # padding): under overlap scheduling the next step reads its anchor token from here
+        # before the host has seen it.
+        self.next_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -94,15 +100,24 @@ class ModelRunner:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
 
     def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
-        rows, starts, tables, num_logits = [], [], [], []
-        for seq, qlen, d, samples in zip(batch.seqs, batch.query_lens, batch.drafts, batch.samples):
-            start = seq.num_computed_before_step
+        rows, tables, num_logits = [], [], []
+        pending: np.ndarray | None = None
+        offset = 0
+        for seq, start, qlen, d, samples in zip(
+            batch.seqs, batch.starts, batch.query_lens, batch.drafts, batch.samples
+        ):
             toks = seq.token_ids[start : start + qlen - len(d)]
+            if len(toks) < qlen - len(d):
+                # its anchor token was sampled by the step in flight: read it on the device
+                if pending is None:
+                    pending = np.zeros(batch.num_rows, dtype=np.int64)
+                pending[offset + len(toks)] = seq.slot
+                toks.append(0)
             rows.append(toks + d if d else toks)
-            starts.append(start)
             tables.append(seq.block_table.blocks)
             num_logits.append(1 + len(d) if samples else 0)
-        return self.prepare_rows(rows, starts, tables, num_logits)
+            offset += qlen
+        return self.prepare_rows(rows, batch.starts, tables, num_logits, pending)
 
     def prepare_rows(
         self,
@@ -110,11 +125,12 @@ class ModelRunner:
         starts: list[int],
         tables: list[list[int]],
         num_logits: list[int],
+        pending: np.ndarray | None = None,  # [T] int64: slot whose next token feeds the row, 0
     ) -> StepInputs | BucketStep:
         """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
         num_logits[i] rows."""
         if self.graphs is not None and all(n == len(r) for n, r in zip(num_logits, rows)):
-            step = self.graphs.prepare(rows, starts, tables)
+            step = self.graphs.prepare(rows, starts, tables, pending)
             if step is not None:
                 return step
         bs = self.block_size
@@ -142,7 +158,7 @@ class ModelRunner:
         dev = self.device
 
         def t(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(x).to(dev, non_blocking=True)
+            return h2d(x, torch.from_numpy(x).dtype, dev)
 
         ctx = ForwardContext(
             query_lens=t(np.asarray(qlens, dtype=np.int32)),
@@ -157,7 +173,11 @@ class ModelRunner:
         )
         ids = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=sum(qlens))
         lr = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
-        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr))
+        input_ids = t(ids)
+        if pending is not None:
+            src = t(pending)
+            input_ids = torch.where(src > 0, self.next_tokens[src], input_ids)
+        return StepInputs(input_ids, t(np.concatenate(pos)), ctx, t(lr))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:

@@ -4,24 +4,75 @@ logprobs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
-from specserve.ops.logprobs import compute_logprobs
+from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
+from specserve.ops.transfer import Readback, h2d
 from specserve.spec.layout import RowLayout, build_layout
 from specserve.spec.verify import VerifyResult, verify
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(1, max((len(r) for r in rows), default=1))
-    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
     for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+        out[i, : len(r)] = r
+    return h2d(out, torch.int64, device)
+
+
+class SampledStep:
+    """A step's verification launched on the device, its results on their way to the host.
+    `wait()` is the step's one designed synchronisation point."""
+
+    def __init__(
+        self,
+        result: VerifyResult,
+        logprobs: LogprobsResult | None,
+        draft_confidences: list[list[float]] | None = None,
+    ) -> None:
+        self.result = result
+        self.total_q = result.verified_token_ids.shape[0]
+        self.num_reqs = result.sampled_token_ids.shape[0]
+        self.draft_confidences = draft_confidences
+        # one int64 vector (verified | sampled | accepted) + the logprob tensors: few copies
+        ints = torch.cat(
+            [
+                result.verified_token_ids.to(torch.int64),
+                result.sampled_token_ids,
+                result.num_accepted,
+            ]
+        )
+        parts = [ints]
+        if logprobs is not None:
+            lp = logprobs
+            parts += [lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs]
+        self._readback = Readback(parts)
+        self._host: HostStepResult | None = None
+
+    def wait(self) -> HostStepResult:
+        if self._host is None:
+            host = self._readback.wait()
+            ints = host[0].tolist()
+            t, r = self.total_q, self.num_reqs
+            lp = ranks = top_ids = top_lps = None
+            if len(host) > 1:
+                lp, ranks, top_ids, top_lps = (x.tolist() for x in host[1:])
+            self._host = HostStepResult(
+                ints[:t],
+                ints[t : t + r],
+                ints[t + r :],
+                lp,
+                ranks,
+                top_ids,
+                top_lps,
+                self.draft_confidences,
+            )
+        return self._host
 
 
 class StepSampler:
@@ -30,7 +81,7 @@ class StepSampler:
         self.eos_ids = sorted(eos_ids)
 
     def layout(self, seqlens_q: list[int]) -> RowLayout:
-        t = torch.tensor(seqlens_q, dtype=torch.int64, device=self.device)
+        t = h2d(seqlens_q, torch.int64, self.device)
         return build_layout(t, sum(seqlens_q), max(seqlens_q) - 1)
 
     def run(
@@ -40,12 +91,28 @@ class StepSampler:
         drafts: list[list[int]],
         draft_probs: torch.Tensor | None = None,  # [total_q, V]
     ) -> tuple[VerifyResult, HostStepResult]:
+        """launch() and wait() at once (the synchronous path)."""
+        step = self.launch(logits, seqs, drafts, draft_probs)
+        return step.result, step.wait()
+
+    def launch(
+        self,
+        logits: torch.Tensor,  # [total_q, V]
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        draft_probs: torch.Tensor | None = None,  # [total_q, V]
+        next_tokens: torch.Tensor | None = None,  # [slots] int64: each request's sampled token
+    ) -> SampledStep:
+        """Queue penalties, masks, verification and logprobs on the device without waiting for
+        it. A request's output index counts its pending tokens (overlap scheduling: the step in
+        flight appends them), so RNG counters, min_tokens and golden tokens see the right
+        position."""
         seqlens_q = [1 + len(d) for d in drafts]
         layout = self.layout(seqlens_q)
         row_params, row_seeds, row_counters = [], [], []
         draft_rows: list[int] = []
         for seq, d in zip(seqs, drafts):
-            n_out = seq.num_output_tokens
+            n_out = seq.num_output_tokens + seq.num_pending
             for j in range(len(d) + 1):
                 row_params.append(seq.params)
                 row_seeds.append(seq.seed)
@@ -53,18 +120,19 @@ class StepSampler:
             draft_rows.extend(d)
             draft_rows.append(0)  # the last row verifies nothing
         t = SamplingTensors.build(row_params, row_seeds, row_counters, self.device)
-        draft_ids = torch.tensor(draft_rows, dtype=torch.int64, device=self.device)
+        draft_ids = h2d(draft_rows, torch.int64, self.device)
 
         proc = logits
         if any(s.params.has_penalties for s in seqs):
+            assert not any(s.num_pending for s in seqs), "penalties need every output token"
             proc = self._penalize(proc, seqs, drafts)
         proc = self._mask_min_tokens(proc, seqs, drafts)
         result = verify(proc, draft_ids, draft_probs, t, layout, self._forced(seqs, drafts))
+        if next_tokens is not None:
+            slots = h2d([s.slot for s in seqs], torch.int64, self.device)
+            next_tokens.index_copy_(0, slots, result.sampled_token_ids)
 
-        verified = result.verified_token_ids.tolist()
-        sampled = result.sampled_token_ids.tolist()
-        accepted = result.num_accepted.tolist()
-        lp = ranks = top_ids = top_lps = None
+        lr = None
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         if want:
             emitted = torch.where(
@@ -73,10 +141,7 @@ class StepSampler:
                 result.sampled_token_ids[layout.row_to_req],
             )
             lr = compute_logprobs(logits, emitted, max(want))
-            lp, ranks = lr.token_logprob.tolist(), lr.token_rank.tolist()
-            top_ids, top_lps = lr.top_ids.tolist(), lr.top_logprobs.tolist()
-        host = HostStepResult(verified, sampled, accepted, lp, ranks, top_ids, top_lps)
-        return result, host
+        return SampledStep(result, lr)
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""
@@ -85,9 +150,9 @@ class StepSampler:
         rows: list[int] = []
         for seq, d in zip(seqs, drafts):
             gold = seq.params.golden_token_ids or []
-            n = seq.num_output_tokens
+            n = seq.num_output_tokens + seq.num_pending
             rows.extend(gold[n + j] if n + j < len(gold) else -1 for j in range(len(d) + 1))
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return h2d(rows, torch.int64, self.device)
 
     def _penalize(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
@@ -105,7 +170,7 @@ class StepSampler:
                 rep.append(p.repetition_penalty)
 
         def f32(x: list[float]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32, device=self.device)
+            return h2d(x, torch.float32, self.device)
 
         return apply_penalties(
             logits,
@@ -125,7 +190,7 @@ class StepSampler:
         row = 0
         for seq, d in zip(seqs, drafts):
             p = seq.params
-            n_out = seq.num_output_tokens
+            n_out = seq.num_output_tokens + seq.num_pending
             if p.min_tokens > n_out:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
                 for j in range(min(len(d) + 1, p.min_tokens - n_out)):
@@ -135,7 +200,7 @@ class StepSampler:
         if not rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = (
-            float("-inf")
+        logits[h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)] = float(
+            "-inf"
         )
         return logits

@@ -85,9 +85,9 @@ def test_spec_invariants_over_random_workloads(reqs, seed):
     captured = {}
     real_process = eng.ledger.process_outputs
 
-    def spy(batch, res):
+    def spy(batch, res, *rest):
         captured["batch"], captured["res"] = batch, res
-        return real_process(batch, res)
+        return real_process(batch, res, *rest)
 
     eng.ledger.process_outputs = spy
     try:

@@ -1,0 +1,147 @@
+"""Overlap scheduling (ZOS) on CPU: the same pipeline as on the GPU (ledger one step late, anchor
+tokens read from the device-resident next_tokens buffer), checked against the synchronous path.
+On CPU the device work runs inline, so these tests pin the bookkeeping, not the concurrency."""
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.engine.sequence import FinishReason
+from tests.engine.conftest import make_llm, prompts_of
+
+_LLMS = {}
+
+
+def _llm(overlap: bool, **kw):
+    key = (overlap, tuple(sorted(kw.items())))
+    if key not in _LLMS:
+        _LLMS[key] = make_llm(max_num_seqs=8, overlap=overlap, debug_invariants=True, **kw)
+    return _LLMS[key]
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].text,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+            o.metrics.num_output_tokens,
+        )
+        for o in outs
+    ]
+
+
+def _mixed_params(n: int) -> list[SamplingParams]:
+    eos_free = dict(ignore_eos=True)
+    table = [
+        SamplingParams(max_tokens=12, **eos_free),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=15, **eos_free),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=9),
+        SamplingParams(max_tokens=20, stop_token_ids=list(range(3, 30000)), min_tokens=2),
+        SamplingParams(max_tokens=14, stop=["e", "a"]),
+        SamplingParams(max_tokens=10, logprobs=3, **eos_free),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=1, **eos_free),
+    ]
+    return [table[i % len(table)] for i in range(n)]
+
+
+def test_overlap_outputs_identical_to_synchronous():
+    prompts = prompts_of([5, 40, 17, 3, 60, 9, 28, 33, 12, 7, 50])
+    params = _mixed_params(len(prompts))
+    sync = _run(_llm(False), prompts, params)
+    over = _run(_llm(True), prompts, params)
+    assert over == sync
+    # the stop-token request really stopped early, mid-flight (a row was already scheduled)
+    assert sync[3][2] == "stop" and len(sync[3][0]) < 20
+
+
+def test_overlap_logprobs_match():
+    prompts = prompts_of([8, 21])
+    sp = SamplingParams(max_tokens=6, logprobs=2, ignore_eos=True)
+    a = _llm(False).generate(prompts, sp, use_tqdm=False)
+    b = _llm(True).generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+
+
+def test_overlap_under_preemption_matches_synchronous():
+    # 12 usable blocks of 16 tokens for 8 requests of ~40 tokens: preemption in flight
+    kw = dict(kv_cache_memory_gb=13 * 8192 / 2**30, max_num_batched_tokens=32)
+    prompts = prompts_of([20, 25, 18, 30, 22, 27, 19, 24], seed=5)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    sync_llm, over_llm = _llm(False, **kw), _llm(True, **kw)
+    sync = _run(sync_llm, prompts, sp)
+    outs = over_llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [t[0] for t in sync]
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert over_llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_penalties_flush_the_step_in_flight_and_match():
+    prompts = prompts_of([6, 13, 9])
+    params = [
+        SamplingParams(max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=2, frequency_penalty=0.5, max_tokens=8),
+    ]
+    assert _run(_llm(True), prompts, params) == _run(_llm(False), prompts, params)
+
+
+def test_abort_while_in_flight_emits_nothing_more():
+    eng = _llm(True).engine
+    seq = eng.add_request(prompts_of([10])[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    other = eng.add_request(prompts_of([7])[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    emitted: dict[str, list[int]] = {seq.request_id: [], other.request_id: []}
+    finished = {}
+    for _ in range(4):
+        for o in eng.step():
+            emitted[o.request_id].append(o.token_id)
+    assert eng._inflight is not None and seq.num_pending == 1  # its next token is in flight
+    eng.abort(seq.request_id)
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.request_id not in finished
+            if o.token_id >= 0:
+                emitted[o.request_id].append(o.token_id)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+    assert finished == {seq.request_id: "abort", other.request_id: "length"}
+    assert emitted[seq.request_id] == seq.output_token_ids  # the in-flight token was dropped
+    assert len(emitted[other.request_id]) == 5 == other.num_output_tokens
+    assert seq.finish_reason is FinishReason.ABORT
+    assert eng.block_manager.num_used_blocks == 0
+    assert eng.slot_pool.num_in_use == 0
+
+
+def test_flush_at_drain_keeps_the_final_token_and_max_tokens_needs_no_extra_row():
+    eng = _llm(True).engine
+    seq = eng.add_request(prompts_of([4])[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    rows = 0
+    n = 0
+    while eng.has_unfinished():
+        before = eng.scheduler.step_id
+        n += sum(o.token_id >= 0 for o in eng.step())
+        if eng._inflight is not None and eng._inflight.batch.step == before + 1:
+            rows += eng._inflight.batch.num_rows
+    assert n == 6 == seq.num_output_tokens
+    # 4 prompt rows + 5 decode rows: the 6th token ends at max_tokens, never fed back
+    assert rows == 4 + 5
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_flag_defaults(overlap):
+    llm = _llm(overlap)
+    assert llm.engine.overlap is overlap
+    assert make_llm(max_num_seqs=2).engine.overlap is False  # CPU default: synchronous
+
+
+def test_overlap_with_a_host_drafter_is_refused():
+    from specserve.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="overlap"):
+        make_llm(
+            max_num_seqs=2,
+            overlap=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
