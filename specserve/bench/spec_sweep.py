@@ -3,6 +3,11 @@
 Closed loop: at concurrency C, C requests are in flight at all times until N are done, all three
 modes on the same prompts and settings in the same run (issue: auto >= best of the others - 3%
 and >= off - 2% at every point).
+
+With `--method golden` (random-weight models) every request carries golden tokens, drawn once per
+prompt and shared by the three modes: they force the outputs whether or not the engine
+speculates, so all modes emit the same tokens (checked) and the golden drafter's drafts are right
+with probability --acceptance-rate.
 """
 
 from __future__ import annotations
@@ -14,6 +19,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.bench.common import (
+    command_line,
+    digest,
+    engine_kwargs,
+    free_memory,
+    golden_continuations,
+    model_vocab_size,
+    token_id_bound,
+)
 from specserve.bench.report import hardware_info, software_info, timestamp
 
 MODES = ("off", "fixed", "auto")
@@ -28,10 +42,20 @@ class SweepPoint:
     seconds: float
     mean_acceptance_length: float
     verify_rows_per_step: float
+    steps: int = 0
+    output_digest: str = ""  # fingerprint of every request's output tokens
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+@dataclass
+class LoopResult:
+    tokens: int
+    seconds: float
+    steps: int
+    outputs: list[list[int]]  # per request, in submission order
 
 
 def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
@@ -46,6 +70,8 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
         }
         if args.method == "draft_model":
             spec["model"] = args.draft_model
+        if args.method == "golden":
+            spec["acceptance_rate"] = args.acceptance_rate
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -53,75 +79,132 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
         max_num_seqs=max_seqs,
         speculative_config=spec,
         progress=False,
+        seed=args.seed,
+        **engine_kwargs(
+            getattr(args, "max_model_len", None),
+            getattr(args, "kv_cache_gb", None),
+            getattr(args, "enforce_eager", False),
+        ),
     )
 
 
-def _closed_loop(
-    llm, prompts: list[list[int]], concurrency: int, max_tokens: int
-) -> tuple[int, float, int]:
-    from specserve import SamplingParams
-
+def _closed_loop(llm, requests: list[tuple[list[int], Any]], concurrency: int) -> LoopResult:
+    """Keep `concurrency` requests in flight until all are done; requests = (prompt, params)."""
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    todo = list(prompts)
+    todo = list(enumerate(requests))
+    todo.reverse()  # pop() from the end: submission order without O(n) pops from the front
+    index: dict[str, int] = {}
+    outputs: list[list[int]] = [[] for _ in requests]
     in_flight = 0
     tokens = 0
     steps0 = eng.num_steps
     t0 = time.perf_counter()
     while todo or in_flight:
         while todo and in_flight < concurrency:
-            eng.add_request(todo.pop(0), sp)
+            i, (prompt, params) = todo.pop()
+            index[eng.add_request(prompt, params).request_id] = i
             in_flight += 1
         for out in eng.step():
-            tokens += out.token_id >= 0
+            if out.token_id >= 0:
+                tokens += 1
+                outputs[index[out.request_id]].append(out.token_id)
             in_flight -= out.finished
+    seconds = time.perf_counter() - t0
     eng.release_outputs()
-    return tokens, time.perf_counter() - t0, eng.num_steps - steps0
+    return LoopResult(tokens, seconds, eng.num_steps - steps0, outputs)
+
+
+def _build_requests(
+    args: argparse.Namespace, llm, n: int, level: int
+) -> list[tuple[list[int], Any]]:
+    """The request set of one concurrency level (built once, shared by all modes)."""
+    from specserve import SamplingParams
+    from specserve.bench.datasets import load_humaneval_rewrite, load_sharegpt, random_requests
+
+    if args.dataset == "random":
+        reqs = random_requests(
+            n, (args.input_len, args.input_len), args.max_tokens, model_vocab_size(llm), args.seed
+        )
+    else:
+        loader = load_humaneval_rewrite if args.dataset == "humaneval" else load_sharegpt
+        reqs = loader(n, llm.tokenizer, seed=args.seed)
+    prompts = [r.prompt_token_ids for r in reqs]
+    golden: list[list[int] | None] = [None] * n
+    if args.method == "golden":
+        golden = list(
+            golden_continuations(
+                n, args.max_tokens, token_id_bound(llm), seed=f"{args.seed}:{level}"
+            )
+        )
+    return [
+        (
+            p,
+            SamplingParams(
+                temperature=0, max_tokens=args.max_tokens, ignore_eos=True, golden_token_ids=g
+            ),
+        )
+        for p, g in zip(prompts, golden)
+    ]
+
+
+def _warm_up(llm, requests: list[tuple[list[int], Any]], concurrency: int) -> None:
+    from specserve import SamplingParams
+
+    short = []
+    for prompt, params in requests[: min(2, len(requests))]:
+        gold = params.golden_token_ids[:4] if params.golden_token_ids else None
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, golden_token_ids=gold)
+        short.append((prompt, sp))
+    _closed_loop(llm, short, min(concurrency, 2))
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from specserve.bench.datasets import load_humaneval_rewrite, load_sharegpt
-
     levels = [int(x) for x in args.concurrency.split(",")]
     points: list[SweepPoint] = []
+    request_sets: dict[int, list[tuple[list[int], Any]]] = {}
     for mode in MODES:
         llm = _engine(args, mode, max(levels))
-        loader = load_humaneval_rewrite if args.dataset == "humaneval" else load_sharegpt
         for c in levels:
-            n = max(c * args.requests_per_slot, args.min_requests)
-            reqs = loader(n, llm.tokenizer, seed=args.seed)
-            prompts = [r.prompt_token_ids for r in reqs]
-            _closed_loop(llm, prompts[: min(2, len(prompts))], min(c, 2), 4)  # warm-up
+            if c not in request_sets:
+                n = max(c * args.requests_per_slot, args.min_requests)
+                request_sets[c] = _build_requests(args, llm, n, c)
+            requests = request_sets[c]
+            _warm_up(llm, requests, c)
             before = llm.get_metrics()
             rows_before = _verify_rows(llm)
-            tokens, secs, steps = _closed_loop(llm, prompts, c, args.max_tokens)
+            res = _closed_loop(llm, requests, c)
             after = llm.get_metrics()
             drafts = after["spec_drafts"] - before["spec_drafts"]
             acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             point = SweepPoint(
                 mode,
                 c,
-                len(prompts),
-                tokens,
-                secs,
+                len(requests),
+                res.tokens,
+                res.seconds,
                 1.0 + acc / drafts if drafts else 1.0,
-                (_verify_rows(llm) - rows_before) / max(steps, 1),
+                (_verify_rows(llm) - rows_before) / max(res.steps, 1),
+                res.steps,
+                digest(res.outputs),
             )
             points.append(point)
             print(
                 f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
-                f"{point.mean_acceptance_length:.2f}  draft rows/step {point.verify_rows_per_step:.1f}",
+                f"{point.mean_acceptance_length:.2f}  draft rows/step "
+                f"{point.verify_rows_per_step:.1f}  steps {point.steps}",
                 flush=True,
             )
         del llm
+        free_memory()  # before the next mode's engine sizes its KV cache from free memory
     report = {
         "benchmark": "spec-sweep",
         "timestamp": timestamp(),
+        "command": command_line(),
         "settings": vars(args) | {"func": None},
         "hardware": hardware_info(),
         "software": software_info(),
         "points": [p.__dict__ | {"tok_s": p.tok_s} for p in points],
-        "checks": _checks(points, levels),
+        "checks": _checks(points, levels, outputs_must_match=args.method == "golden"),
     }
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -137,21 +220,33 @@ def _verify_rows(llm) -> int:
     return llm.engine.ledger.spec.num_draft_tokens
 
 
-def _checks(points: list[SweepPoint], levels: list[int]) -> dict[str, Any]:
+def _checks(
+    points: list[SweepPoint], levels: list[int], outputs_must_match: bool = False
+) -> dict[str, Any]:
     by = {(p.mode, p.concurrency): p.tok_s for p in points}
+    digests = {(p.mode, p.concurrency): p.output_digest for p in points}
     lines, ok = [], True
+    identical: dict[int, bool] = {}
     for c in levels:
         off, fixed, auto = by[("off", c)], by[("fixed", c)], by[("auto", c)]
         good = auto >= max(off, fixed) * 0.97 and auto >= off * 0.98
         ok &= good
-        lines.append(
+        identical[c] = len({digests[(m, c)] for m in MODES}) == 1
+        line = (
             f"C={c}: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f}, fixed/off "
             f"{fixed / off:.3f} -> {'ok' if good else 'MISSED'}"
         )
+        if outputs_must_match and not identical[c]:
+            # golden tokens force the outputs: any difference is an engine bug, not noise
+            ok = False
+            line += " (outputs DIFFER between modes)"
+        lines.append(line)
     return {
         "all_ok": ok,
         "lines": lines,
         "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels),
+        # greedy bf16 outputs may legitimately differ with batch shape; golden outputs may not
+        "outputs_identical": identical,
     }
 
 
@@ -182,11 +277,19 @@ def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse
     ax.set_ylabel("output tokens / s")
     hw = hardware_info()
     where = ", ".join(hw.get("gpus", [])) or f"{hw.get('cpu', 'CPU')} x{hw.get('cpu_cores', '?')}"
-    ax.set_title(f"{args.method} speculation, {args.dataset}, {args.max_tokens} tokens, {where}")
+    method = args.method
+    if method == "golden":
+        method += f" R={args.acceptance_rate:g}"
+    ax.set_title(
+        f"{args.model or 'default model'}: {method} speculation, {args.dataset}, "
+        f"{args.max_tokens} tokens, {where}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def add_sweep_parser(sub: Any) -> None:
@@ -194,16 +297,28 @@ def add_sweep_parser(sub: Any) -> None:
         "spec-sweep", help="throughput vs concurrency: speculation off / fixed k / auto budget"
     )
     p.add_argument("--model", default=None)
-    p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    p.add_argument("--method", choices=("ngram", "draft_model", "golden"), default="ngram")
     p.add_argument("--draft-model", default="self")
+    p.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=0.8,
+        help="method golden: chance each draft is right (outputs are forced to golden tokens)",
+    )
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--dataset", choices=("humaneval", "sharegpt"), default="humaneval")
+    p.add_argument("--dataset", choices=("humaneval", "sharegpt", "random"), default="humaneval")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-gb", type=float, default=None, help="KV cache size (default: the engine's)"
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--plot", dest="plot_path", default=None)

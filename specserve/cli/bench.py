@@ -1,4 +1,4 @@
-"""`specserve bench ...` subcommands. Only `throughput` so far; `serve` (online) will sit beside it.
+"""`specserve bench ...` subcommands: throughput, spec-sweep, golden-curve, plot, serve (online).
 
 Heavy imports (torch, transformers, the engine) happen inside run_bench so that building the
 top-level parser stays instant.
@@ -59,20 +59,27 @@ def _add_throughput_parser(sub: Any) -> None:
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")
 
 
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `bench` (with its own subcommands) on the top-level CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+def _add_subcommands(sub: Any) -> None:
     _add_throughput_parser(sub)
+    from specserve.bench.golden_curve import add_golden_curve_parser
+    from specserve.bench.plot_results import add_plot_parser
     from specserve.bench.spec_sweep import add_sweep_parser
 
     add_sweep_parser(sub)
+    add_golden_curve_parser(sub)
+    add_plot_parser(sub)
     try:
         from specserve.bench.serve import add_serve_bench
 
         add_serve_bench(sub)
     except ImportError:  # pragma: no cover - server extras missing
         pass
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` (with its own subcommands) on the top-level CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    _add_subcommands(bench.add_subparsers(dest="bench_command", required=True))
     bench.set_defaults(func=run_bench)
     return bench
 
@@ -127,6 +134,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
         report = run_sweep(args)
         return 0 if report["checks"]["all_ok"] else 1
+    if args.bench_command == "golden-curve":
+        from specserve.bench import golden_curve
+
+        rc = golden_curve.main(args)
+        for what, path in (("report", args.json_path), ("chart", args.plot_path)):
+            if path:
+                print(f"{what} written to {path}", file=sys.stderr)
+        return rc
+    if args.bench_command == "plot":
+        from specserve.bench.plot_results import run_plot
+
+        if not run_plot(args.reports, args.out, args.title):
+            return 1
+        print(f"chart written to {args.out}", file=sys.stderr)
+        return 0
     print(f"error: unknown bench command {args.bench_command!r}", file=sys.stderr)
     return 2
 
@@ -134,9 +156,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry (`python -m specserve.cli.bench throughput ...`)."""
     parser = argparse.ArgumentParser(prog="specserve bench")
-    _add_throughput_parser(parser.add_subparsers(dest="bench_command", required=True))
+    _add_subcommands(parser.add_subparsers(dest="bench_command", required=True))
     args = parser.parse_args(argv)
-    return run_bench(args)
+    return getattr(args, "func", run_bench)(args)  # `serve` brings its own handler
 
 
 if __name__ == "__main__":

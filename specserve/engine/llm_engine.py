@@ -19,6 +19,7 @@ from specserve.engine.sequence import FinishReason, Sequence
 from specserve.model.loader import cache_dir, load_model
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import SampledStep, StepSampler
+from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
@@ -160,6 +161,7 @@ class LLMEngine:
         self._next_id = 0
         self.num_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
+        self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
         self.budget = (
             VerifyBudgetPolicy(self, cache_dir() if config.cache_step_cost else None)
             if spec is not None and spec.verify_budget == "auto"
@@ -298,8 +300,9 @@ class LLMEngine:
     def _launch(self, batch: StepBatch) -> LaunchedStep:
         """Queue the step's forward and verification on the device; nothing waits for it."""
         t0 = time.perf_counter()
-        logits = self.runner.forward(self.runner.prepare(batch))
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
+        self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
+        logits = self.runner.forward(self.runner.prepare(batch))
         sampled = None
         if seqs:
             drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
@@ -313,6 +316,7 @@ class LLMEngine:
             if self.overlap:
                 for s in seqs:
                     s.num_pending += 1
+        self.timeline.end()
         return LaunchedStep(batch, seqs, sampled, t0)
 
     def _process(self, launched: LaunchedStep, out_step: int) -> list[TokenOutput]:

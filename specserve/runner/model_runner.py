@@ -95,6 +95,7 @@ class ModelRunner:
             max_model_len,
             self.device,
             vocab,
+            self.next_tokens,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)

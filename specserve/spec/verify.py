@@ -2,10 +2,16 @@
 
 Torch reference (vectorised, no loop over rows, no host sync). The GPU fused kernel must match it:
 bit-identical for greedy, same random streams for sampling.
+
+`verify` dispatches: CUDA tensors with triton importable and a step the kernel covers
+(`specserve.ops.triton_verify.fusable`: no draft-model q, no top-k/top-p/min-p row) run the fused
+Triton pass; everything else, and any call with SPECSERVE_FUSED_VERIFY=0 in the environment or
+fused=False, runs `verify_reference`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -52,6 +58,14 @@ def _sample_rows(probs: torch.Tensor, t: SamplingTensors, rows: torch.Tensor) ->
     return (probs / e).argmax(dim=-1)
 
 
+def _fused_allowed(fused: bool | None) -> bool:
+    """fused=None defers to $SPECSERVE_FUSED_VERIFY (read per call, so tests and benchmarks can
+    flip it); anything but "0" allows the kernel."""
+    if fused is None:
+        return os.environ.get("SPECSERVE_FUSED_VERIFY", "1") != "0"
+    return fused
+
+
 def verify(
     logits: torch.Tensor,  # [total_q, V] f32, penalties and masks already applied
     draft_token_ids: torch.Tensor,  # [total_q] int64, the draft each verify row checks
@@ -59,8 +73,33 @@ def verify(
     t: SamplingTensors,  # per row
     layout: RowLayout,
     forced: torch.Tensor | None = None,  # [total_q] int64 golden token per row, -1 = none
+    *,
+    fused: bool | None = None,  # False: always the reference; None: $SPECSERVE_FUSED_VERIFY
 ) -> VerifyResult:
-    """forced (teacher forcing): a row with a golden token accepts its draft iff it equals it and,
+    """The fused Triton pass where it applies (see the module docstring), else the reference."""
+    if logits.is_cuda and _fused_allowed(fused):
+        # Imported here: triton_attention's check keeps triton itself unimported until needed.
+        from specserve.ops.triton_attention import use_triton
+
+        if use_triton(logits.device):
+            from specserve.ops import triton_verify
+
+            if triton_verify.fusable(t, draft_probs):
+                return triton_verify.verify_triton(logits, draft_token_ids, t, layout, forced)
+    return verify_reference(logits, draft_token_ids, draft_probs, t, layout, forced)
+
+
+def verify_reference(
+    logits: torch.Tensor,  # [total_q, V] f32, penalties and masks already applied
+    draft_token_ids: torch.Tensor,  # [total_q] int64, the draft each verify row checks
+    draft_probs: torch.Tensor | None,  # [total_q, V] q at verify rows; None = one-hot (model-free)
+    t: SamplingTensors,  # per row
+    layout: RowLayout,
+    forced: torch.Tensor | None = None,  # [total_q] int64 golden token per row, -1 = none
+) -> VerifyResult:
+    """Torch reference and CPU path.
+
+    forced (teacher forcing): a row with a golden token accepts its draft iff it equals it and,
     as the final row, emits it; rows without one behave as usual."""
     if t.all_greedy:
         target = logits.argmax(dim=-1)  # [total_q]

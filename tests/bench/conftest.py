@@ -44,6 +44,18 @@ class WordTokenizer:
 
 
 @pytest.fixture
+def single_thread() -> Any:
+    """One torch thread: dummy:tiny's matmuls are microseconds, and OpenMP spin-waiting on a
+    shared 2-core machine would make each take tens of ms."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture
 def word_tokenizer() -> WordTokenizer:
     return WordTokenizer()
 

@@ -1,8 +1,13 @@
 """The speculation sweep runs all three modes on the same prompts and checks the targets."""
 
 import argparse
+import json
 
+import pytest
+
+from specserve.bench.common import digest, golden_continuations
 from specserve.bench.spec_sweep import SweepPoint, _checks, run_sweep
+from specserve.cli.bench import add_bench_parser
 
 
 def test_checks_flag_a_point_where_auto_loses_to_off():
@@ -42,3 +47,81 @@ def test_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
     }
     assert all(p["output_tokens"] == p["requests"] * 6 for p in report["points"])
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def _golden_args(tmp_path, **kw) -> argparse.Namespace:
+    base = dict(
+        model="dummy:tiny",
+        method="golden",
+        acceptance_rate=1.0,
+        draft_model="self",
+        k=2,
+        dataset="random",
+        input_len=8,
+        concurrency="1,2",
+        requests_per_slot=1,
+        min_requests=2,
+        max_tokens=7,  # 1 from the prefill + two verify steps of k + 1
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        seed=0,
+        json_path=str(tmp_path / "sweep.json"),
+        plot_path=None,
+    )
+    return argparse.Namespace(**(base | kw))
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
+    report = run_sweep(_golden_args(tmp_path))
+    pts = {(p["mode"], p["concurrency"]): p for p in report["points"]}
+    assert all(p["output_tokens"] == p["requests"] * 7 for p in pts.values())
+    assert report["checks"]["outputs_identical"] == {1: True, 2: True}
+    assert pts[("off", 1)]["mean_acceptance_length"] == 1.0
+    assert pts[("fixed", 1)]["mean_acceptance_length"] == pytest.approx(3.0)  # R = 1, k = 2
+    assert pts[("fixed", 1)]["steps"] == 2 * 3  # two requests, one after the other
+    # the outputs are the golden continuations themselves
+    gold = golden_continuations(2, 7, 49152, seed="0:1")
+    assert pts[("off", 1)]["output_digest"] == digest(gold)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["settings"]["method"] == "golden" and "command" in saved
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_golden_sweep_runs_at_concurrency_256(tmp_path):
+    args = _golden_args(
+        tmp_path, concurrency="256", acceptance_rate=0.5, input_len=4, max_tokens=3, json_path=None
+    )
+    report = run_sweep(args)
+    assert [p["requests"] for p in report["points"]] == [256] * 3
+    assert all(p["output_tokens"] == 256 * 3 for p in report["points"])
+    assert report["checks"]["outputs_identical"] == {256: True}
+
+
+def test_checks_fail_when_golden_outputs_differ():
+    pts = [
+        SweepPoint("off", 1, 4, 100, 1.0, 1.0, 0.0, 10, "a"),
+        SweepPoint("fixed", 1, 4, 200, 1.0, 3.0, 3.0, 5, "a"),
+        SweepPoint("auto", 1, 4, 200, 1.0, 3.0, 3.0, 5, "b"),
+    ]
+    assert _checks(pts, [1])["all_ok"]  # greedy outputs may differ with batch shape: info only
+    checks = _checks(pts, [1], outputs_must_match=True)
+    assert not checks["all_ok"] and "DIFFER" in checks["lines"][0]
+    assert checks["outputs_identical"] == {1: False}
+
+
+def test_cli_accepts_golden_and_random():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        "bench spec-sweep --method golden --acceptance-rate 0.6 --dataset random --input-len 32 "
+        "--concurrency 1,4,16,64,256 --max-model-len 4096 --kv-cache-gb 20".split()
+    )
+    assert (args.method, args.acceptance_rate, args.dataset, args.input_len) == (
+        "golden",
+        0.6,
+        "random",
+        32,
+    )
+    assert args.max_model_len == 4096 and args.kv_cache_gb == 20.0

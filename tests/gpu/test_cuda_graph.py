@@ -131,6 +131,27 @@ def test_bucket_layout(seed: int) -> None:
     assert runner.graphs.num_replays == 5 and runner.graphs.num_eager_runs == 0
 
 
+@pytest.mark.parametrize("graph", [True, False], ids=["bucket", "eager"])
+def test_pending_rows_read_next_tokens(graph: bool) -> None:
+    """Overlap scheduling: a row whose token the step in flight sampled carries its request's
+    slot; the forward reads the token from runner.next_tokens on the device, in the graph (bucket
+    layout) and on the eager path alike."""
+    import numpy as np
+
+    rng = random.Random(1)
+    runner, _model = _echo_runner()
+    if not graph:
+        runner.graphs = None
+    runner.next_tokens[:5] = torch.tensor([0, 701, 702, 703, 704])
+    qlens = [1, 1, 1]
+    rows, starts, tables = _batch(rng, qlens, [1])
+    pending = np.array([3, 0, 1], dtype=np.int64)  # rows 0 and 2: tokens of slots 3 and 1
+    step = runner.prepare_rows(rows, starts, tables, qlens, pending)
+    assert isinstance(step, BucketStep) is graph
+    seen = runner.forward(step)[:, 0].tolist()
+    assert seen == [703, rows[1][0], 701]
+
+
 def test_not_eligible_runs_eager() -> None:
     rng = random.Random(0)
     runner, _ = _echo_runner()

@@ -1,0 +1,123 @@
+"""Overlap scheduling on the GPU: outputs with overlap on == off (graphs and eager), and the sync
+guard: the device portion of a step never synchronises with the host except at the one designed
+point (`ops/transfer.designed_sync`, the wait for the step in flight's results)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MODEL = "dummy:smollm2-135m"  # head_dim 64: the Triton attention path
+
+
+def _llm(overlap: bool, enforce_eager: bool = False) -> LLM:
+    return LLM(
+        MODEL,
+        dtype="bfloat16",
+        max_num_seqs=16,
+        max_model_len=512,
+        kv_cache_memory_gb=1.0,
+        overlap=overlap,
+        enforce_eager=enforce_eager,
+        debug_invariants=True,
+        progress=False,
+    )
+
+
+def _workload():
+    rng = random.Random(0)
+    lens = [5, 17, 40, 64, 100, 9, 3, 33, 70, 12]
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in lens]
+    params = [
+        SamplingParams(max_tokens=60, ignore_eos=True),
+        SamplingParams(max_tokens=45, temperature=1.0, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=9),
+        SamplingParams(max_tokens=80, stop_token_ids=list(range(3, 20000)), min_tokens=3),
+        SamplingParams(max_tokens=25, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        SamplingParams(max_tokens=50, temperature=1.0, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=20, golden_token_ids=list(range(100, 140))),
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SamplingParams(max_tokens=35, temperature=1.0, seed=2, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _run(llm: LLM):
+    prompts, params = _workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_overlap_matches_synchronous_on_gpu(cuda: torch.device, enforce_eager: bool) -> None:
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    sync_llm = _llm(False, enforce_eager)
+    over_llm = _llm(True, enforce_eager)
+    assert over_llm.engine.overlap and not sync_llm.engine.overlap
+    sync, over = _run(sync_llm), _run(over_llm)
+    for i, (a, b) in enumerate(zip(sync, over)):
+        assert a == b, f"request {i} differs with overlap"
+    assert sync[3][1] == "stop" and len(sync[3][0]) < 80  # stopped while its next step flew
+
+
+def test_overlap_is_the_cuda_default(cuda: torch.device) -> None:
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    assert LLM(MODEL, max_num_seqs=2, kv_cache_memory_gb=0.2, progress=False).engine.overlap
+
+
+def test_no_host_sync_inside_a_step(cuda: torch.device) -> None:
+    """Steps run under torch.cuda.set_sync_debug_mode("error"): any synchronising call in the
+    step (a .item(), .tolist() of a device tensor, a pageable copy) raises. The wait for the
+    step in flight lifts the mode for itself only (designed_sync)."""
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    llm = _llm(True)
+    eng = llm.engine
+    prompts, params = _workload()
+    _run(llm)  # warm-up: Triton JIT, lazily built tables, allocator pools
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            eng.step()  # prefill chunks, mixed steps, decode graphs, stops in flight, drain
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps > 20
+
+
+def test_sync_guard_catches_a_sync(cuda: torch.device) -> None:
+    """The guard itself works: a .item() inside a step is an error."""
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    llm = _llm(True)
+    eng = llm.engine
+    real = eng.runner.forward
+
+    def syncing_forward(inputs):
+        logits = real(inputs)
+        logits.sum().item()
+        return logits
+
+    eng.runner.forward = syncing_forward
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        eng.runner.forward = real
+        eng.fail_all()
