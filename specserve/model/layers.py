@@ -1,4 +1,8 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated SiLU MLP."""
+"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated SiLU MLP.
+
+The elementwise work goes through `specserve.ops.fused`: Triton kernels on CUDA, the plain torch
+ops on CPU (unchanged numerics there).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.errors import ModelLoadError
+from specserve.ops.fused import add_rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +26,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         # One fused op instead of pow/mean/rsqrt/mul/mul: decode on CPU is bound by op count.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(
+        self,
+        x: torch.Tensor,  # [T, dim]
+        residual: torch.Tensor | None,  # [T, dim], None: nothing to add (first layer)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(x + residual), x + residual
+        """The residual add fused with this norm: one kernel on CUDA instead of add + norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(
@@ -91,12 +104,6 @@ class RotaryEmbedding(nn.Module):
         return self.table(max_context_len, positions.device, dtype).index_select(0, positions)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos_sin [T, 2, 1, D] -> [T, heads, D]."""
-    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]
-    return x * cos_sin[:, 0] + rotated * cos_sin[:, 1]
-
-
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
@@ -107,6 +114,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        i = self.intermediate_size
-        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] -> [T, I]

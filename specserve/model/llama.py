@@ -15,8 +15,9 @@ from torch import nn
 
 from specserve.model.config import ModelConfig
 from specserve.model.forward_context import ForwardContext, KVCache
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
+from specserve.ops.fused import rope_
 
 
 class Attention(nn.Module):
@@ -52,10 +53,12 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
-            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+            # q, k are fresh norm outputs here, so rotating them in place (fused path) is safe.
+            q, k = rope_(q, cos_sin), rope_(k, cos_sin)
         else:
-            # q and k rotate together: one set of rope ops for both.
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), cos_sin)
+            # q and k rotate together: one set of rope ops (or one kernel) for both. The fused
+            # path rotates this view of qkv in place; q, k are then strided views of qkv.
+            qk = rope_(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), cos_sin)
             q, k = qk[:, :h], qk[:, h:]
         write_kv(k, v, cache, ctx.slot_mapping, all_valid)
         o = paged_attention(q, cache, ctx, self.scale)  # [T, H, D]
@@ -72,14 +75,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden] residual stream
+        x: torch.Tensor,  # [T, hidden] previous layer's MLP output (layer 0: the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden] residual stream before x; None at layer 0
         cos_sin: torch.Tensor,
         cache: KVCache,
         ctx: ForwardContext,
         all_valid: bool,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, ctx, all_valid)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, hidden]
+        """The residual stream after this layer is residual + the returned MLP output; the add is
+        left to the next norm (next layer's input norm, or the model's final norm), which fuses
+        it. Same values as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, fewer kernels."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos_sin, cache, ctx, all_valid)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,9 +135,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, ctx.max_context_len, x.dtype)
         # Checked once here rather than in each layer's KV write.
         all_valid = slots_all_valid(ctx.slot_mapping)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, cache, ctx, all_valid)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, cache, ctx, all_valid)
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32

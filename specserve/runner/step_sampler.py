@@ -199,8 +199,8 @@ class StepSampler:
             row += len(d) + 1
         if not rows:
             return logits
-        logits = logits.clone()
-        logits[h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)] = float(
-            "-inf"
-        )
-        return logits
+        # index_fill_ on flat indices: advanced-index assignment (logits[rows, cols] = x) syncs
+        # on CUDA, which the sync guard test caught
+        v = logits.shape[1]
+        flat = h2d([r * v + c for r, c in zip(rows, cols)], torch.int64, self.device)
+        return logits.clone().view(-1).index_fill_(0, flat, float("-inf")).view(logits.shape)

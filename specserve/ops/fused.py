@@ -1,0 +1,165 @@
+"""Fused elementwise ops of the decoder layer: Triton kernels on CUDA, plain torch elsewhere.
+
+Why: batch-1 decode on a GPU is launch-bound between the matmuls. Unfused, each layer spends a
+dozen tiny kernels on RMSNorm, the residual adds, rotary (roll/mul/mul/add) and silu/mul; fused,
+that is four launches (add+norm twice, one rotary over q and k, silu-and-mul).
+
+Dispatch, per call: the Triton kernel when the tensor is on CUDA, triton is importable
+(`use_triton`) and $SPECSERVE_FUSED_OPS is not "0" (read at call time, so a test or benchmark can
+force the reference on CUDA; a captured CUDA graph keeps whatever path it was captured with).
+Otherwise the torch reference below runs: exactly the ops the model used before fusion, so CPU
+numerics (checked against HF transformers) do not change.
+
+Safe to import without triton: `specserve.ops.triton_fused` is imported on first kernel use.
+Nothing here syncs with the device, and every launch depends only on shapes, so all of it is
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from specserve.ops.triton_attention import use_triton
+
+ENV_SWITCH = "SPECSERVE_FUSED_OPS"
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """True when the Triton path should run for tensors like `x` (see the module docstring)."""
+    return x.is_cuda and os.environ.get(ENV_SWITCH, "1") != "0" and use_triton(x.device)
+
+
+# The dispatchers look this up per call (module global), so a test can point it at a predicate
+# that also accepts CPU tensors to run the kernels under TRITON_INTERPRET=1.
+_enabled = fused_enabled
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> ModuleType:
+    from specserve.ops import triton_fused
+
+    return triton_fused
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- torch references: the CPU path, and the oracle for the kernels ----------------------------
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,  # [T, N]
+    residual: torch.Tensor | None,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, N], new residual [T, N]
+    if residual is not None:
+        x = x + residual
+    # One fused op instead of pow/mean/rsqrt/mul/mul: decode on CPU is bound by op count.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotate-half rotary: x [T, heads, D], cos_sin [T, 2, 1, D] -> new [T, heads, D]."""
+    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return x * cos_sin[:, 0] + rotated * cos_sin[:, 1]
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    i = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :i]) * gate_up[:, i:]
+
+
+# -- dispatchers ---------------------------------------------------------------------------------
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, N], last dim contiguous
+    residual: torch.Tensor | None,  # [T, N], or None: no add (first layer)
+    weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, N], new residual [T, N]
+    """new_residual = x + residual (rounded to x's dtype), normed = rms_norm(new_residual) * weight.
+
+    With residual=None: (rms_norm(x) * weight, x).
+    """
+    if not (
+        _enabled(x)
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    ):
+        return add_rms_norm_reference(x, residual, weight, eps)
+    t, n = x.shape
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if residual is None:
+        new_res, res, stride_r = x, x, 0  # res/new_res unused by the kernel
+    else:
+        assert residual.shape == x.shape and residual.stride(-1) == 1, (x.shape, residual.shape)
+        new_res = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        res, stride_r = residual, residual.stride(0)
+    if t == 0:
+        return out, new_res
+    block = _pow2(n)
+    _kernels()._add_rms_norm_kernel[(t,)](
+        x, res, weight, out, new_res, x.stride(0), stride_r, n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        # More warps for wide rows: at batch 1 one program does the whole row, so its latency is
+        # the kernel's. (Heuristic, not tuned per GPU.)
+        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
+    )  # fmt: skip
+    return out, new_res
+
+
+def rope_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary over x [T, heads, D] with cos_sin [T, 2, 1, D] (as `apply_rope`).
+
+    On the fused path x is rotated IN PLACE and returned; on the reference path a new tensor is
+    returned and x is left alone. Either way use the return value, and do not reuse x after.
+    x may be a strided view (e.g. q and k together, a column slice of the qkv projection: rows
+    of stride (H + 2 Hkv) * D); only its last dim must be contiguous.
+    """
+    t, nh, d = x.shape
+    if not (_enabled(x) and x.stride(-1) == 1 and cos_sin.stride(-1) == 1 and d % 2 == 0):
+        return apply_rope(x, cos_sin)
+    assert cos_sin.shape == (t, 2, 1, d), (x.shape, cos_sin.shape)
+    if t == 0 or nh == 0:
+        return x
+    half = d // 2
+    block_half = _pow2(half)
+    # ~2k elements per half-tile per program: decode (T=1) still spreads 40 heads x 128 over a
+    # few programs, prefill gets one or two programs per row.
+    block_h = min(_pow2(nh), max(1, 2048 // block_half))
+    _kernels()._rope_kernel[(t, _cdiv(nh, block_h))](
+        x, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), cos_sin.stride(1), nh,
+        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        num_warps=4 if block_h * block_half >= 1024 else 2,
+    )  # fmt: skip
+    return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """silu(gate) * up, for gate and up side by side in the fused gate_up projection output."""
+    if not (_enabled(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1):
+        return silu_and_mul_reference(gate_up)
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = min(_pow2(inter), 1024)
+    _kernels()._silu_and_mul_kernel[(t, _cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
