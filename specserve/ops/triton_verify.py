@@ -7,21 +7,27 @@ Covered (see `fusable`): drafts without a draft model's q (one-hot / model-free 
 drafts at all) and rows that are greedy or temperature-only. Rejection sampling against a
 draft q and top-k / top-p / min-p rows stay on the torch reference.
 
-Work decomposition: grid = (R,), one program per request. A program walks its request's rows
-in order (1 + drafts of them) and stops computing at the first rejected row, since nothing
-after it is ever emitted. Per row:
-  pass 1 (every row): running max / argmax of the logits over V in BLOCK-sized chunks, per lane,
-      then one cross-lane reduction (ties -> lowest index, torch.argmax's rule, so greedy is
-      bit-identical to the reference);
-  pass 2 (sampling rows only): the reference's exponential race argmax_v p_v / e_v with
-      p_v = exp(l_v / T - max_v(l_v / T)) (softmax without the 1/sum: the argmax does not need
-      it) and e_v = -log(u_v), u = hashed_uniform(seed, counter, SAMPLE_SALT, V) recomputed in
-      the kernel bit for bit (see specserve.ops.random). Only the missing normalisation and
-      exp/log rounding differ from the reference, so a sampled token can differ only where two
-      candidates' scores tie to within a few ulps.
-Then the golden-token override, the accept test (target == draft on verify rows) and prefix
-acceptance, all in registers: no extra launch, no host sync, graph-capturable (the launch
-depends on shapes only).
+Two launches, no host sync, graph-capturable (grids and scratch depend on shapes only):
+  phase 1, grid (total_q, num_chunks): one program per (row, CHUNK columns of the vocabulary),
+      so even one request with a few rows spreads a 128k vocabulary over hundreds of programs
+      (one program per request scanning all of V left an H200 ~20x slower at batch 1). Each
+      writes two partials of its chunk:
+        greedy: max logit m_c and its lowest column;
+        race (temperature > 0 rows only): the best score and its lowest column, where the
+          reference's argmax_v p_v / e_v (p = softmax(l / T), e_v = -log(u_v), u the row's
+          hashed_uniform(seed, counter, SAMPLE_SALT) stream, recomputed here bit for bit, see
+          specserve.ops.random) is taken in log space: log p_v - log e_v = x_v - log e_v - const
+          with x = l / T. A chunk scores x_v - x_c - log e_v, x_c = m_c / T its own max, so
+          the terms stay small (as the reference's x - max) without knowing the row's max.
+  phase 2, grid (R,): one program per request walks its rows in order and, per row, reduces
+      the partials: greedy takes the max of m_c, ties -> the lowest column (chunks are in order
+      and each partial is its chunk's lowest, so this is torch.argmax's choice, bit-identical);
+      the race compares (x_c - x_max) + score_c, ties -> the lowest column. Then the golden
+      token override, accept (target == draft on verify rows) and prefix acceptance, stopping
+      at the first rejected row, as the reference.
+Near ties: a race is exact math-wise, but the log-space scores round differently from the
+reference's float32 p / e (and tl.log / tl.exp are not torch's), so a sampled token can differ
+from the reference where two candidates' scores agree to within a few ulps. Greedy is exact.
 """
 
 from __future__ import annotations
@@ -46,7 +52,12 @@ _LOW37 = tl.constexpr((1 << 37) - 1)
 _LOW33 = tl.constexpr((1 << 33) - 1)
 _LOW23 = tl.constexpr((1 << 23) - 1)  # top 23 bits of the word after >> 41
 
-MAX_BLOCK = 2048  # vocab columns per chunk; larger chunks only add register pressure
+# Vocabulary columns per phase-1 program (a power of two, held in registers as one tile):
+# 4096 gives 32 chunks at V = 128256. Read per call, so tests can shrink it to get many chunks
+# from a small vocabulary under the interpreter.
+CHUNK = 4096
+# Past MAX_CHUNKS * CHUNK columns the chunk grows instead, keeping phase 2's reduction small.
+MAX_CHUNKS = 64
 
 
 @triton.jit
@@ -60,86 +71,94 @@ def _mix64(z):
 
 
 @triton.jit
-def _row_max_argmax(row_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
-    """(max, argmax) of one row of logits; ties go to the lowest index."""
-    lanes = tl.arange(0, BLOCK)  # [BLOCK]
-    best = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max
-    best_i = tl.zeros([BLOCK], tl.int32)  # its column; 0 if the lane never beats -inf
-    for start in range(0, V, BLOCK):
-        cols = start + lanes
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        # strict >: a lane keeps the earliest column holding its maximum
-        take = x > best
-        best = tl.where(take, x, best)
-        best_i = tl.where(take, cols, best_i)
-    m = tl.max(best, axis=0)
-    # An all -inf row matches every lane, all still at column 0: argmax 0, as torch.
-    return m, tl.min(tl.where(best == m, best_i, V), axis=0)
-
-
-@triton.jit
-def _row_race(row_ptr, temp, x_max, key, V: tl.constexpr, BLOCK: tl.constexpr):
-    """argmax_v exp(x_v - x_max) / e_v with x = logits / temp, e_v = -log(u_v); ties -> lowest."""
-    lanes = tl.arange(0, BLOCK)  # [BLOCK]
-    best = tl.full([BLOCK], -1.0, tl.float32)  # scores are >= 0; -1 loses to any column
-    best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
-        cols = start + lanes
-        valid = cols < V
-        logit = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        # div_rn: IEEE division like torch's `logits / temp` (Triton's `/` is approximate)
-        p = tl.exp(tl.math.div_rn(logit, temp) - x_max)  # [BLOCK], unnormalised probs
-        bits = _mix64(key + (cols.to(tl.int64) + 1) * _GAMMA)  # [BLOCK] int64
+def _chunk_kernel(
+    logits_ptr,  # [total_q, V] float, last dim contiguous
+    temp_ptr,  # [total_q] float32, <= 0 -> greedy row
+    seed_ptr,  # [total_q] int64
+    counter_ptr,  # [total_q] int64
+    part_val_ptr,  # out [2, total_q, NC] float32: chunk max logit | chunk best race score
+    part_idx_ptr,  # out [2, total_q, NC] int32: the lowest column holding it
+    stride_row,
+    plane,  # total_q * NC: offset of the race plane
+    VOCAB: tl.constexpr,
+    NC: tl.constexpr,  # number of chunks, cdiv(VOCAB, CHUNK)
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64, so row * stride_row cannot overflow
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] int32
+    logit = tl.load(
+        logits_ptr + row * stride_row + cols, mask=cols < VOCAB, other=float("-inf")
+    ).to(tl.float32)  # [CHUNK]
+    m = tl.max(logit, axis=0)
+    # Lanes past VOCAB hold -inf but columns >= VOCAB, so an all -inf chunk still answers its
+    # first column (and an all -inf row column 0, as torch.argmax).
+    out = row * NC + chunk
+    tl.store(part_val_ptr + out, m)
+    tl.store(part_idx_ptr + out, tl.min(tl.where(logit == m, cols, VOCAB), axis=0))
+    temp = tl.load(temp_ptr + row)
+    if temp > 0.0:
+        # The reference's row key: mix64(mix64(seed ^ salt_key) + counter * GAMMA).
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(counter_ptr + row)
+        key = _mix64(_mix64(seed ^ _SAMPLE_KEY) + counter * _GAMMA)
+        bits = _mix64(key + (cols.to(tl.int64) + 1) * _GAMMA)  # [CHUNK] int64
         u = (((bits >> 41) & _LOW23) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-        score = tl.math.div_rn(p, -tl.log(u))
-        score = tl.where(valid, score, -1.0)
-        take = score > best
-        best = tl.where(take, score, best)
-        best_i = tl.where(take, cols, best_i)
-    m = tl.max(best, axis=0)
-    return tl.min(tl.where(best == m, best_i, V), axis=0)
+        # div_rn: IEEE division like torch's `logits / temp` (Triton's `/` is approximate).
+        # max(l) / T == max(l / T): rounding a division by T > 0 is monotone.
+        x = tl.math.div_rn(logit, temp) - tl.math.div_rn(m, temp)  # [CHUNK], <= 0
+        # -inf logits (masks, lanes past VOCAB) never win; in an all -inf chunk x is NaN.
+        score = tl.where(logit > float("-inf"), x - tl.log(-tl.log(u)), float("-inf"))
+        best = tl.max(score, axis=0)
+        tl.store(part_val_ptr + plane + out, best)
+        tl.store(part_idx_ptr + plane + out, tl.min(tl.where(score == best, cols, VOCAB), axis=0))
 
 
 @triton.jit
 def _verify_kernel(
-    logits_ptr,  # [total_q, V] float, last dim contiguous
+    part_val_ptr,  # [2, total_q, NC] float32, from _chunk_kernel
+    part_idx_ptr,  # [2, total_q, NC] int32
     draft_ptr,  # [total_q] int64
     forced_ptr,  # [total_q] int64, -1 = none (unused unless HAS_FORCED)
     temp_ptr,  # [total_q] float32, <= 0 -> greedy row
-    seed_ptr,  # [total_q] int64
-    counter_ptr,  # [total_q] int64
     seqlens_ptr,  # [R] int64
     ftp_ptr,  # [R] int64
     verified_ptr,  # out [total_q] int32
     sampled_ptr,  # out [R] int64
     num_acc_ptr,  # out [R] int64
     final_ptr,  # out [R] int64
-    stride_row,
-    VOCAB: tl.constexpr,  # vocabulary size: fixed per model, so one compile
+    plane,  # total_q * NC
+    VOCAB: tl.constexpr,
+    NC: tl.constexpr,
+    NC_POW2: tl.constexpr,  # NC rounded up to a power of two (tl.arange needs one)
     HAS_FORCED: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0)
-    first = tl.load(ftp_ptr + req)  # int64, so row * stride_row cannot overflow
+    first = tl.load(ftp_ptr + req)  # int64
     n = tl.load(seqlens_ptr + req)
+    lanes = tl.arange(0, NC_POW2)  # [NC_POW2], one per chunk
+    live = lanes < NC
     j = first * 0  # local step of the row being processed (int64 zero)
     tok = first * 0  # target token of the last processed row
     going = j < n  # true while every processed row was an accepted verify row
     while going:
         row = first + j
-        row_ptr = logits_ptr + row * stride_row
-        x_max, amax = _row_max_argmax(row_ptr, VOCAB, BLOCK)
+        part = row * NC + lanes  # [NC_POW2] int64
+        m = tl.load(part_val_ptr + part, mask=live, other=float("-inf"))
+        m_max = tl.max(m, axis=0)
+        # Padding lanes say VOCAB, above any real column: the min picks the lowest real one.
+        at = tl.load(part_idx_ptr + part, mask=live, other=VOCAB)
+        tok = tl.min(tl.where(m == m_max, at, VOCAB), axis=0).to(tl.int64)
         temp = tl.load(temp_ptr + row)
         if temp > 0.0:
-            # The reference's row key: mix64(mix64(seed ^ salt_key) + counter * GAMMA).
-            seed = tl.load(seed_ptr + row)
-            counter = tl.load(counter_ptr + row)
-            key = _mix64(_mix64(seed ^ _SAMPLE_KEY) + counter * _GAMMA)
-            # max(l) / T == max(l / T): rounding a division by T > 0 is monotone.
-            race = _row_race(row_ptr, temp, tl.math.div_rn(x_max, temp), key, VOCAB, BLOCK)
-            tok = race.to(tl.int64)
-        else:
-            tok = amax.to(tl.int64)
+            score = tl.load(part_val_ptr + plane + part, mask=live, other=float("-inf"))
+            at = tl.load(part_idx_ptr + plane + part, mask=live, other=VOCAB)
+            # Each chunk's scores are relative to its own max x_c: shift them all to the row's.
+            shift = tl.math.div_rn(m, temp) - tl.math.div_rn(m_max, temp)  # [NC_POW2], <= 0
+            # A -inf score (all -inf chunk, padding) stays -inf, never NaN from -inf - -inf.
+            score = tl.where(score > float("-inf"), shift + score, float("-inf"))
+            best = tl.max(score, axis=0)
+            tok = tl.min(tl.where(score == best, at, VOCAB), axis=0).to(tl.int64)
         if HAS_FORCED:
             gold = tl.load(forced_ptr + row)
             tok = tl.where(gold >= 0, gold, tok)
@@ -151,7 +170,7 @@ def _verify_kernel(
     # The loop ran up to and including the final row (a request with no rows, as a graph's
     # padding might have, accepts nothing and emits token 0).
     num_acc = tl.maximum(j - 1, 0)
-    # Rows after the final row were never computed: nothing of them is emitted.
+    # Rows after the final row are never emitted.
     while j < n:  # a while loop: range() over loaded bounds trips up the interpreter
         tl.store(verified_ptr + first + j, -1)
         j += 1
@@ -168,6 +187,11 @@ def fusable(t: SamplingTensors, draft_probs: torch.Tensor | None) -> bool:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def chunk_size(vocab: int) -> int:
+    """Phase-1 columns per program: CHUNK, larger past MAX_CHUNKS chunks, smaller for tiny V."""
+    return min(_pow2(vocab), max(CHUNK, _pow2(triton.cdiv(vocab, MAX_CHUNKS))))
 
 
 def verify_triton(
@@ -192,17 +216,30 @@ def verify_triton(
     final_rows = torch.empty(num_reqs, dtype=torch.int64, device=device)
     if num_reqs == 0:
         return VerifyResult(verified, sampled, num_accepted, final_rows)
-    block = min(MAX_BLOCK, _pow2(vocab))
+    chunk = chunk_size(vocab)
+    nc = triton.cdiv(vocab, chunk)
+    # Scratch partials; the race plane is written (and read) only for temperature > 0 rows.
+    part_val = torch.empty((2, total_q, nc), dtype=torch.float32, device=device)
+    part_idx = torch.empty((2, total_q, nc), dtype=torch.int32, device=device)
+    temp = t.temperature.to(torch.float32).contiguous()
 
     def i64(x: torch.Tensor) -> torch.Tensor:  # a no-op for the int64 tensors callers pass
         return x.to(torch.int64).contiguous()
 
+    if total_q > 0:  # a zero-sized grid is no launch at all
+        _chunk_kernel[(total_q, nc)](
+            logits, temp, i64(t.seed), i64(t.counter), part_val, part_idx,
+            logits.stride(0), total_q * nc,
+            VOCAB=vocab, NC=nc, CHUNK=chunk, num_warps=8 if chunk >= 2048 else 4,
+        )  # fmt: skip
+    nc_pow2 = _pow2(nc)
     _verify_kernel[(num_reqs,)](
-        logits, i64(draft_token_ids), i64(forced) if forced is not None else draft_token_ids,
-        t.temperature.to(torch.float32).contiguous(), i64(t.seed), i64(t.counter),
+        part_val, part_idx,
+        i64(draft_token_ids), i64(forced) if forced is not None else draft_token_ids, temp,
         i64(layout.seqlens_q), i64(layout.ftp),
         verified, sampled, num_accepted, final_rows,
-        logits.stride(0),
-        VOCAB=vocab, HAS_FORCED=forced is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        total_q * nc,
+        VOCAB=vocab, NC=nc, NC_POW2=nc_pow2, HAS_FORCED=forced is not None,
+        num_warps=1 if nc_pow2 <= 128 else 4,
     )  # fmt: skip
     return VerifyResult(verified, sampled, num_accepted, final_rows)

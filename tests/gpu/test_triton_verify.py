@@ -304,3 +304,123 @@ def test_dispatch(device, monkeypatch):
     monkeypatch.setenv("SPECSERVE_FUSED_VERIFY", "0")
     verify(logits, drafts, None, plain, layout)
     assert len(calls) == on_cuda
+
+
+# --- chunked reduction: phase 1 splits V into chunk_size(V) columns, phase 2 merges them ----
+
+
+def _chunked(monkeypatch, chunk: int | None, vocab: int) -> int:
+    """Set the kernel's chunk (None: the default) and return the one it will use for vocab."""
+    tv = _fused()
+    if chunk is not None:
+        monkeypatch.setattr(tv, "CHUNK", chunk)
+    return tv.chunk_size(vocab)
+
+
+def _spots(vocab: int, chunk: int) -> list[list[int]]:
+    """Per row, the columns that hold the row's maximum (several: an exact tie): each chunk's
+    first and last column, ties straddling every chunk boundary, ties listed out of order."""
+    nc = -(-vocab // chunk)
+    rows = [[c * chunk] for c in range(nc)] + [[min((c + 1) * chunk, vocab) - 1] for c in range(nc)]
+    rows += [[c * chunk - 1, c * chunk] for c in range(1, nc)]
+    rows += [[vocab - 1, min(chunk + 5, vocab - 2), vocab // 2], [vocab - 1, 0]]
+    return rows
+
+
+def _planted(g: torch.Generator, vocab: int, spots: list[list[int]]) -> torch.Tensor:
+    """[len(spots) + 3, V] f32: randn background, 50.0 at each row's spots, then an all-zero
+    row, an all -inf row and one that is -inf but for its last two columns (tied)."""
+    x = torch.randn(len(spots), vocab, generator=g)
+    for r, cols in enumerate(spots):
+        x[r, cols] = 50.0
+    tail = torch.full((1, vocab), float("-inf"))
+    tail[0, -2:] = 1.0
+    return torch.cat([x, torch.zeros(1, vocab), torch.full((1, vocab), float("-inf")), tail])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("vocab", "chunk"), [(1000, 64), (1031, 128), (4099, 256), (300, None)])
+def test_greedy_argmax_across_chunks(device, monkeypatch, vocab, chunk):
+    """The maximum in every chunk, at chunk edges, and tied across chunk boundaries: greedy
+    must be torch.argmax exactly (lowest tied column), V not a multiple of the chunk."""
+    c = _chunked(monkeypatch, chunk, vocab)
+    assert vocab % c != 0 and (chunk is None or -(-vocab // c) > 4)
+    spots = _spots(vocab, c)
+    logits = _planted(_gen(vocab), vocab, spots).to(device)
+    want = torch.tensor([min(s) for s in spots] + [0, 0, vocab - 2])
+    assert torch.equal(logits.argmax(-1).cpu(), want)
+    n = logits.shape[0]
+    # Plain decode: every row is its request's final row, so sampled_token_ids = its argmax.
+    t = _tensors(_gen(1), [1] * n, [0.0] * n, device)
+    drafts = torch.zeros(n, dtype=torch.int64, device=device)
+    got = _fused().verify_triton(logits, drafts, t, _layout([1] * n, device))
+    assert torch.equal(got.sampled_token_ids.cpu(), want)
+    _assert_same(got, verify_reference(logits, drafts, None, t, _layout([1] * n, device)))
+    # Requests of up to 8 rows drafting the argmax: accepted through, then one rejection.
+    seqlens = [8] * (n // 8) + ([n % 8] if n % 8 else [])
+    drafts = logits.argmax(-1)
+    drafts[5] = (drafts[5] + 1) % vocab
+    layout = _layout(seqlens, device)
+    t = _tensors(_gen(2), seqlens, [0.0] * len(seqlens), device)
+    _assert_same(
+        _fused().verify_triton(logits, drafts, t, layout),
+        verify_reference(logits, drafts, None, t, layout),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("vocab", "chunk"), [(1000, 64), (4099, 256)])
+def test_sampling_race_across_chunks(device, monkeypatch, vocab, chunk):
+    """Sampling rows whose mass sits in tied planted columns in different chunks (the race
+    decides between chunks by the noise alone) and random rows over many chunks."""
+    _chunked(monkeypatch, chunk, vocab)
+    g = _gen(vocab + 1)
+    spots = _spots(vocab, _fused().chunk_size(vocab))
+    planted = _planted(g, vocab, spots)[: len(spots)]  # drop the rows with no finite max
+    logits = torch.cat([planted, _logits(g, 16, vocab)]).to(device)
+    n = logits.shape[0]
+    temps = [[0.5, 1.0, 2.0][i % 3] for i in range(n)]
+    t = _tensors(g, [1] * n, temps, device)
+    drafts = torch.zeros(n, dtype=torch.int64, device=device)
+    assert _compare(logits, drafts, t, [1] * n, _layout([1] * n, device)) <= 1
+    # The same rows as requests of up to 8, half greedy, some forced, drafting the reference.
+    seqlens = [8] * (n // 8) + ([n % 8] if n % 8 else [])
+    t = _tensors(g, seqlens, [[0.0, 0.7][i % 2] for i in range(len(seqlens))], device)
+    gold = torch.where(torch.rand(n, generator=g) < 0.2, torch.randint(0, vocab, (n,)), -1)
+    gold = gold.to(device)
+    drafts = _drafts(g, logits, t, seqlens, gold)
+    assert _compare(logits, drafts, t, seqlens, _layout(seqlens, device), gold) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_single_request_k7_ties_at_full_vocab(device, temp):
+    """V = 128256 at the default chunk: one request, 7 drafts, each row's maximum tied across
+    a different chunk boundary (greedy: the lower column; sampling: the race between them)."""
+    vocab = 128256
+    c = _fused().chunk_size(vocab)
+    assert c >= 4096 and -(-vocab // c) <= 64 and vocab % c != 0
+    spots = [[k * c - 1, k * c] for k in (1, 5, 9, 16, 22, 30)] + [[vocab - 1, 0], [vocab - 1]]
+    logits = _planted(_gen(9), vocab, spots)[:8].to(device)  # [8, V]
+    seqlens = [8]
+    t = _tensors(_gen(10), seqlens, [temp], device)
+    layout = _layout(seqlens, device)
+    target = sample(target_probs(logits, t), t, SAMPLE_SALT)  # [8]
+    if temp == 0.0:
+        assert target.tolist() == [min(s) for s in spots]
+    for reject_at in (2, 7):
+        drafts = target.clone()
+        if reject_at < 7:
+            drafts[reject_at] = (target[reject_at] + 1) % vocab
+        assert _compare(logits, drafts, t, seqlens, layout) <= int(temp > 0)
+
+
+@pytest.mark.gpu
+def test_chunk_size(device):
+    """At most MAX_CHUNKS chunks of at least CHUNK columns, except for a small vocabulary."""
+    tv = _fused()
+    assert tv.chunk_size(128256) == tv.CHUNK == 4096
+    assert tv.chunk_size(1000) == 1024
+    for vocab in (49152, 128256, 151936, 262144, 1 << 20):
+        c = tv.chunk_size(vocab)
+        assert c >= tv.CHUNK and c & (c - 1) == 0 and -(-vocab // c) <= tv.MAX_CHUNKS
