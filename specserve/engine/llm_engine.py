@@ -48,11 +48,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+# Steps run without drafts (overlapped) once the verify budget picks none, before it is asked
+# again: long enough that the one synchronous step which re-drafts costs little, short enough to
+# notice the load falling.
+PAUSE_STEPS = 8
+
+
 class LaunchedStep(NamedTuple):
     batch: StepBatch
     seqs: list[Sequence]  # its sampling requests, in verify-layout order
     sampled: SampledStep | None  # None: a step of prefill chunks only
     t0: float  # host time at launch (the step-cost curve)
+    overlapped: bool  # launched while its predecessor was still in flight
 
 
 @dataclass
@@ -89,18 +96,13 @@ class LLMEngine:
         self.target_model = loaded.model
         spec = config.speculative_config
         self.drafter = build_drafter(spec, self) if spec else None
-        # Host-side drafters need the step's tokens on the host before they can draft the next
-        # step, so overlap runs without one (a device-side drafter could lift this).
-        self.overlap = (
-            config.overlap
-            if config.overlap is not None
-            else self.device.type == "cuda" and self.drafter is None
-        )
-        if self.overlap and self.drafter is not None:
-            raise InvalidRequestError(
-                "overlap scheduling needs a device-side drafter; run speculation with overlap off",
-                "overlap",
-            )
+        # Overlap needs each step's tokens only on the device; a host-side drafter needs them on
+        # the host before it can draft the next step. So with a drafter, overlap runs only while
+        # the verify budget has paused speculation (high load: it chose no drafts at all).
+        want = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self.overlap = want and self.drafter is None
+        self.overlap_when_paused = want and self.drafter is not None
+        self._paused_until = 0  # steps before this id run without drafts, overlapped
         # one slot per running request: drafts live there, and so does the token each request
         # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
         self.slot_pool = (
@@ -111,7 +113,7 @@ class LLMEngine:
                 self.drafter is not None and self.drafter.has_q,
                 self.device,
             )
-            if spec or self.overlap
+            if spec or want
             else None
         )
         self.runner = ModelRunner(
@@ -265,8 +267,9 @@ class LLMEngine:
         N+1, then process step N (still running on the device until its readback arrives, while
         N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
         outputs: list[TokenOutput] = []
-        if self._inflight is not None and self._needs_sync():
-            outputs += self._process(self._inflight, self.scheduler.step_id + 1)
+        overlap = self._overlap_now()
+        if self._inflight is not None and (not overlap or self._needs_sync()):
+            outputs += self._process(self._inflight, self.scheduler.step_id + 1, draft=True)
             self._inflight = None
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
@@ -275,13 +278,13 @@ class LLMEngine:
         launched = None
         if not batch.is_empty:
             self.num_steps += 1
-            launched = self._launch(batch)
-        if not self.overlap:
+            launched = self._launch(batch, overlap)
+        if not overlap:
             if launched is not None:
-                outputs += self._process(launched, batch.step)
+                outputs += self._process(launched, batch.step, draft=True)
         else:
             if self._inflight is not None:
-                outputs += self._process(self._inflight, batch.step)
+                outputs += self._process(self._inflight, batch.step, draft=False)
             self._inflight = launched
         for out in outputs:
             if out.finished:
@@ -292,14 +295,20 @@ class LLMEngine:
             self.check_invariants()
         return outputs
 
+    def _overlap_now(self) -> bool:
+        if self.overlap:
+            return True
+        return self.overlap_when_paused and self.scheduler.step_id + 1 < self._paused_until
+
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: a step with such a request waits for
         the step in flight first."""
         return any(s.params.has_penalties for s in self.requests.values())
 
-    def _launch(self, batch: StepBatch) -> LaunchedStep:
+    def _launch(self, batch: StepBatch, overlap: bool) -> LaunchedStep:
         """Queue the step's forward and verification on the device; nothing waits for it."""
         t0 = time.perf_counter()
+        assert not (overlap and any(batch.num_drafts)), "drafts need the synchronous path"
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
         self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
         logits = self.runner.forward(self.runner.prepare(batch))
@@ -311,17 +320,18 @@ class LLMEngine:
                 seqs,
                 drafts,
                 self._draft_q(seqs, drafts),
-                self.runner.next_tokens if self.overlap else None,
+                self.runner.next_tokens if overlap else None,
             )
-            if self.overlap:
+            if overlap:
                 for s in seqs:
                     s.num_pending += 1
         self.timeline.end()
-        return LaunchedStep(batch, seqs, sampled, t0)
+        return LaunchedStep(batch, seqs, sampled, t0, overlap)
 
-    def _process(self, launched: LaunchedStep, out_step: int) -> list[TokenOutput]:
+    def _process(self, launched: LaunchedStep, out_step: int, draft: bool) -> list[TokenOutput]:
         """Wait for a launched step's results (the designed sync point), run the ledger and,
-        with a drafter, draft the next step. Outputs belong to out_step for the pool."""
+        with a drafter and draft=True (the next step is synchronous), draft the next step.
+        Outputs belong to out_step for the pool."""
         batch, seqs = launched.batch, launched.seqs
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.drafter is not None and host is not None:
@@ -332,10 +342,11 @@ class LLMEngine:
             for s, d, acc in zip(seqs, drafts, host.num_accepted):
                 if d:
                     self.drafter.observe(s, len(d), acc)
-        if self.budget is not None:
+        if self.budget is not None and not launched.overlapped:
+            # an overlapped step's launch-to-readback time also spans its predecessor
             self.budget.record_step(batch.num_rows, time.perf_counter() - launched.t0)
         outputs = self.ledger.process_outputs(batch, host, out_step)
-        if self.drafter is not None:
+        if self.drafter is not None and draft:
             self._propose_drafts()
         return outputs
 
@@ -374,6 +385,12 @@ class LLMEngine:
         if self.budget is not None:
             keep = self.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
             proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
+            if self.overlap_when_paused:
+                # The budget wants no speculation at this load: run the next steps as plain
+                # overlapped decoding (host work hidden), then draft and ask the budget again.
+                # Any draft kept ends the pause: drafts need the synchronous path.
+                pause = not any(keep)
+                self._paused_until = self.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
         for s, (d, conf) in zip(ready, proposals):
             pool.put(s.slot, d, conf)
 

@@ -136,12 +136,44 @@ def test_overlap_flag_defaults(overlap):
     assert make_llm(max_num_seqs=2).engine.overlap is False  # CPU default: synchronous
 
 
-def test_overlap_with_a_host_drafter_is_refused():
-    from specserve.sampling_params import InvalidRequestError
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
-    with pytest.raises(InvalidRequestError, match="overlap"):
-        make_llm(
-            max_num_seqs=2,
-            overlap=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+
+def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(monkeypatch):
+    """With a host drafter, overlap runs while the verify budget wants no drafts (high load):
+    those steps are plain overlapped decoding; every PAUSE_STEPS the engine flushes, drafts and
+    asks again. Greedy outputs equal the synchronous engine's and speculation off."""
+    prompts = prompts_of([12, 30, 8, 21])
+    prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(False), prompts, sp)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    eng = llm.engine
+    assert not eng.overlap and eng.overlap_when_paused
+    calls = []
+    real_trim = eng.budget.trim
+
+    def trim(ready, drafts, confs):  # the budget says "no drafts" except every third call
+        calls.append(len(ready))
+        keep = real_trim(ready, drafts, confs)
+        return keep if len(calls) % 3 == 0 else [0] * len(keep)
+
+    monkeypatch.setattr(eng.budget, "trim", trim)
+    kinds = []
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        kinds.append((overlap, sum(batch.num_drafts)))
+        return real_launch(batch, overlap)
+
+    monkeypatch.setattr(eng, "_launch", launch)
+    assert _run(llm, prompts, sp) == want
+    assert any(o for o, _ in kinds), "no step ran overlapped"
+    assert any(nd > 0 for o, nd in kinds if not o), "no step verified drafts"
+    assert all(nd == 0 for o, nd in kinds if o), "an overlapped step verified drafts"
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_no_overlap_flag_keeps_speculation_synchronous():
+    llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
+    assert not llm.engine.overlap and not llm.engine.overlap_when_paused
