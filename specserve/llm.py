@@ -197,6 +197,9 @@ class LLM:
             "verify_budget_chosen_draft_rows": b.chosen_rows,
             "verify_budget_expected_accepted_tokens": b.expected_accepted,
             "step_cost_curve": b.curve.points(),
+            # overlapped plain decoding: its step-cost curve and how often it beat speculation
+            "plain_step_cost_curve": b.plain.points() if b.plain is not None else None,
+            "verify_budget_plain_chosen": b.plain_chosen,
         }
 
     def get_metrics(self) -> dict[str, Any]:

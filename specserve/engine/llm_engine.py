@@ -103,6 +103,7 @@ class LLMEngine:
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
         self._paused_until = 0  # steps before this id run without drafts, overlapped
+        self._last_readback: float | None = None  # when the last overlapped step was read back
         # one slot per running request: drafts live there, and so does the token each request
         # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
         self.slot_pool = (
@@ -291,6 +292,8 @@ class LLMEngine:
                 seq = self.requests.pop(out.request_id, None)
                 if seq is not None and self.drafter is not None:
                     self.drafter.release(seq)
+        if self._inflight is None:
+            self._last_readback = None  # drained: the next interval would include idle time
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
@@ -342,9 +345,15 @@ class LLMEngine:
             for s, d, acc in zip(seqs, drafts, host.num_accepted):
                 if d:
                     self.drafter.observe(s, len(d), acc)
-        if self.budget is not None and not launched.overlapped:
-            # an overlapped step's launch-to-readback time also spans its predecessor
-            self.budget.record_step(batch.num_rows, time.perf_counter() - launched.t0)
+        if self.budget is not None:
+            now = time.perf_counter()
+            if not launched.overlapped:
+                self.budget.record_step(batch.num_rows, now - launched.t0)
+            elif self._last_readback is not None:
+                # overlapped: a step's launch-to-readback also spans its predecessor; in steady
+                # state the step costs the time between consecutive readbacks
+                self.budget.record_plain_step(batch.num_rows, now - self._last_readback)
+            self._last_readback = now if launched.overlapped else None
         outputs = self.ledger.process_outputs(batch, host, out_step)
         if self.drafter is not None and draft:
             self._propose_drafts()

@@ -34,6 +34,15 @@ class VerifyBudgetPolicy:
         self.curve = self._load_or_calibrate(
             capture_sizes(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
         )
+        # Plain decoding can run overlapped (host work hidden) when no request verifies drafts,
+        # so "no speculation at all" is priced with its own curve: start-up values of the
+        # synthetic steps (device time plus one sync), then real overlapped steps (the time
+        # between consecutive readbacks, which is what such a step costs in steady state).
+        self.plain: StepCostCurve | None = None
+        if engine.overlap_when_paused:
+            self.plain = StepCostCurve(self.curve.buckets)
+            self.plain.calibrate(self.curve, reps=1)
+        self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -77,6 +86,10 @@ class VerifyBudgetPolicy:
     def record_step(self, rows: int, seconds: float) -> None:
         self.curve.record(rows, seconds)
 
+    def record_plain_step(self, rows: int, seconds: float) -> None:
+        if self.plain is not None:
+            self.plain.record(rows, seconds)
+
     # -- the choice -----------------------------------------------------------------------------
     def trim(
         self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]
@@ -91,6 +104,12 @@ class VerifyBudgetPolicy:
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
         keep = choice.num_verify
+        if self.plain is not None and any(keep):
+            # one token per decode request in an overlapped step of `base` rows
+            if len(ready) / self.plain(base) >= choice.expected_tokens / choice.step_time:
+                keep = [0] * len(drafts)
+                choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
+                self.plain_chosen += 1
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
             room = max(0, self.max_rows - base)

@@ -79,11 +79,44 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
     policy.curve = StepCostCurve([1, 2, 4, 8])
     policy.curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # busy-machine curve
     policy.expected_accepted, policy.chosen_rows, policy.offered_rows, policy._calls = 0.0, 0, 0, 0
+    policy.plain, policy.plain_chosen = None, 0
     kept = [policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) for _ in range(EXPLORE_EVERY)]
     assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
     for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
         policy.curve.record(4, 1.05)
     assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
+
+
+def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
+    """With a host drafter, no drafts at all means the step can run overlapped (host work hidden):
+    when that plain step is cheap enough, it beats the speculative choice priced on the
+    synchronous curve; when it is not, the drafts stay."""
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    class Sched:
+        running, waiting, max_num_seqs = [], [], 64
+
+    class Eng:
+        scheduler = Sched()
+
+    def policy_with(plain_cost: float) -> VerifyBudgetPolicy:
+        p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
+        p.engine, p.max_rows = Eng(), 512
+        p.curve = StepCostCurve([8, 16, 32, 64, 128])
+        p.curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)  # synchronous steps
+        p.plain = StepCostCurve(p.curve.buckets)
+        p.plain.calibrate(lambda rows: plain_cost * (1.0 + rows / 64), reps=1)
+        p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
+        p.plain_chosen = 0
+        return p
+
+    ready = [object()] * 32
+    drafts, confs = [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    # synchronous: 32 rows cost 1.5, 96 rows 2.5; E = 32 * 1.9 = 60.8 -> 24.3 tok/s vs 21.3 plain
+    assert sum(policy_with(1.0).trim(ready, drafts, confs)) > 0
+    fast_plain = policy_with(0.7)  # overlap hides 30 % of the step: 30.5 tok/s plain
+    assert fast_plain.trim(ready, drafts, confs) == [0] * 32
+    assert fast_plain.plain_chosen == 1
 
 
 def test_high_load_shrinks_speculation_to_nothing():
