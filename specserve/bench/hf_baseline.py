@@ -287,7 +287,7 @@ def run_hf_baseline(
     `eos_token_ids`: the engine's stop ids; without ignore_eos both sides must stop on the same
     tokens, and a checkpoint's generation_config may list fewer than the engine uses.
     """
-    from specserve.engine.llm_engine import resolve_device, resolve_dtype
+    from specserve.engine.device import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     hf = load_hf_model(model, resolve_dtype(dtype, dev), dev, hf_config)

@@ -12,6 +12,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.device import resolve_device, resolve_dtype
 from specserve.engine.ledger import Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
@@ -24,29 +25,6 @@ from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
 from specserve.spec.slots import DraftSlotPool
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
-        raise InvalidRequestError(f"unknown dtype {dtype!r}; use one of {sorted(table)}", "dtype")
-    return table[dtype]
-
 
 # Steps run without drafts (overlapped) once the verify budget picks none, before it is asked
 # again: long enough that the one synchronous step which re-drafts costs little, short enough to
