@@ -324,10 +324,15 @@ class LLMEngine:
                 if d:
                     self.drafter.observe(s, len(d), acc)
         if self.budget is not None:
+            # Only decode/verify steps price the curves: the chooser prices such steps, and a
+            # prefill chunk's rows cost far less per row (no per-row KV reads, big GEMMs), so
+            # folding them in made verify rows look cheap.
             now = time.perf_counter()
+            decode = all(batch.samples)
             if not launched.overlapped:
-                self.budget.record_step(batch.num_rows, now - launched.t0)
-            elif self._last_readback is not None:
+                if decode:
+                    self.budget.record_step(batch.num_rows, now - launched.t0)
+            elif self._last_readback is not None and decode:
                 # overlapped: a step's launch-to-readback also spans its predecessor; in steady
                 # state the step costs the time between consecutive readbacks
                 self.budget.record_plain_step(batch.num_rows, now - self._last_readback)

@@ -32,8 +32,8 @@ class StepCostCurve:
     def record(self, rows: int, seconds: float) -> None:
         """An observed step. It refines the bucket at or above `rows`, scaled by the curve's
         own ratio so a 37-row step informs the 48-row bucket without biasing it."""
-        if rows <= 0 or seconds <= 0:
-            return
+        if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
+            return  # past the largest bucket: extrapolated, never folded into it
         i = self._bucket_at_or_above(rows)
         b = self.buckets[i]
         if self._samples[i] and rows != b:

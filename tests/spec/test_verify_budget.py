@@ -142,6 +142,9 @@ def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
     assert math.isclose(curve(2), 0.03)
     curve.record(2, 10.0)  # one outlier moves no median
     assert math.isclose(curve(2), 0.03)
+    for _ in range(40):  # a step past the largest bucket (a big prefill) is not folded into it
+        curve.record(64, 0.6)
+    assert math.isclose(curve(8), 0.5)
     # a bucket measured slower than a larger one is capped by it (padding up is allowed)
     jag = StepCostCurve([1, 2, 4])
     jag.calibrate(lambda rows: {1: 1.0, 2: 3.0, 4: 2.0}[rows], reps=1)
