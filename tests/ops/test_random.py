@@ -149,3 +149,17 @@ def test_cuda_matches_cpu_bit_for_bit() -> None:
     cpu = hashed_uniform(seeds, counters, 2, 3001)
     gpu = hashed_uniform(seeds.cuda(), counters.cuda(), 2, 3001).cpu()
     assert torch.equal(cpu, gpu)
+
+
+def test_cpu_slabs_give_the_same_bits(monkeypatch) -> None:
+    """hashed_uniform's CPU slab path gives the one-shot values bit for bit."""
+    import specserve.ops.random as R
+
+    seed = torch.tensor([0, -1, 2**62, 12345], dtype=torch.int64)
+    counter = torch.tensor([0, 5, 9, 2**40], dtype=torch.int64)
+    for width in (R._CPU_SLAB - 1, R._CPU_SLAB + 1, 3 * R._CPU_SLAB + 17):
+        slabs = R.hashed_uniform(seed, counter, 3, width)
+        monkeypatch.setattr(R, "_CPU_SLAB", 10**9)
+        whole = R.hashed_uniform(seed, counter, 3, width)
+        monkeypatch.undo()
+        assert torch.equal(slabs, whole)
