@@ -4,6 +4,7 @@ DESIGN.md invariants 1-4 hold every step; emitted == appended == usage."""
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,8 +42,8 @@ class CorruptingDrafter:
         self.inner.release(seq)
 
 
-def _engine():
-    if "llm" not in _ENGINE:
+def _engine(overlap: bool):
+    if overlap not in _ENGINE:
         llm = make_llm(
             speculative_config={
                 "method": "draft_model",
@@ -54,10 +55,11 @@ def _engine():
             kv_cache_memory_gb=13 * 8192 / 2**30,
             max_model_len=120,
             debug_invariants=True,
+            overlap=overlap,
         )
         llm.engine.drafter = CorruptingDrafter(llm.engine.drafter)
-        _ENGINE["llm"] = llm
-    return _ENGINE["llm"].engine
+        _ENGINE[overlap] = llm
+    return _ENGINE[overlap].engine
 
 
 request = st.fixed_dictionaries(
@@ -73,23 +75,35 @@ request = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "paused-overlap"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(request, min_size=1, max_size=8), st.integers(0, 2**31))
-def test_spec_invariants_over_random_workloads(reqs, seed):
-    eng = _engine()
+def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
+    """overlap=True: the verify budget is made to pause speculation at random (its trim returns
+    no drafts), so the engine keeps switching between synchronous speculative steps and
+    overlapped plain steps (ledger one step late, flush when speculation resumes)."""
+    eng = _engine(overlap)
     rng = random.Random(seed)
     seqs = {}
     emitted: dict[str, list[int]] = {}
     texts: dict[str, list[str]] = {}
     finished: dict[str, str] = {}
-    captured = {}
+    processed = []  # (batch, host result, its outputs) of every ledger pass in a step() call
     real_process = eng.ledger.process_outputs
+    real_trim = eng.budget.trim
 
     def spy(batch, res, *rest):
-        captured["batch"], captured["res"] = batch, res
-        return real_process(batch, res, *rest)
+        outs = real_process(batch, res, *rest)
+        processed.append((batch, res, list(outs)))
+        return outs
+
+    def pausing_trim(ready, drafts, confs):
+        keep = real_trim(ready, drafts, confs)
+        return [0] * len(keep) if rng.random() < 0.5 else keep
 
     eng.ledger.process_outputs = spy
+    if overlap:
+        eng.budget.trim = pausing_trim
     try:
         pending = sorted(reqs, key=lambda r: r["arrive_at"])
         tick = 0
@@ -110,24 +124,31 @@ def test_spec_invariants_over_random_workloads(reqs, seed):
             for rid, (_seq, r) in seqs.items():
                 if r["abort_at"] == tick and rid not in finished:
                     eng.abort(rid)
-            captured.clear()
+            processed.clear()
             outs = eng.step()  # debug_invariants: blocks (5) and slots (4) checked inside
-            per_req: dict[str, int] = {}
             for o in outs:
                 assert o.request_id not in finished
                 if o.token_id >= 0:
                     emitted[o.request_id].append(o.token_id)
-                    per_req[o.request_id] = per_req.get(o.request_id, 0) + 1
                 texts[o.request_id].append(o.text)
                 if o.finished:
                     finished[o.request_id] = o.finish_reason
-            if "res" in captured and captured["res"] is not None:
-                batch, res = captured["batch"], captured["res"]
+            for batch, res, step_outs in processed:
+                if res is None:
+                    continue
+                per_req: dict[str, int] = {}
+                for o in step_outs:
+                    if o.token_id >= 0:
+                        per_req[o.request_id] = per_req.get(o.request_id, 0) + 1
                 sampling = [
-                    (s, nd) for s, nd, sm in zip(batch.seqs, batch.num_drafts, batch.samples) if sm
+                    (s, nd, ep)
+                    for s, nd, sm, ep in zip(
+                        batch.seqs, batch.num_drafts, batch.samples, batch.epochs
+                    )
+                    if sm
                 ]
                 row = 0
-                for r_i, (s, nd) in enumerate(sampling):
+                for r_i, (s, nd, ep) in enumerate(sampling):
                     rows = res.verified_token_ids[row : row + nd + 1]
                     # invariant 2: t1..tk then only sentinels
                     n = res.num_accepted[r_i]
@@ -135,13 +156,14 @@ def test_spec_invariants_over_random_workloads(reqs, seed):
                     pushed = per_req.get(s.request_id, 0)
                     # invariant 3: pushed <= accepted + 1, and < only when the request finished
                     assert pushed <= n + 1
-                    if pushed < n + 1:
-                        assert s.request_id in finished
+                    if pushed < n + 1:  # finished, or preempted while this step flew
+                        assert s.request_id in finished or (overlap and s.epoch != ep)
                     row += nd + 1
             tick += 1
             assert tick < 3000
     finally:
         eng.ledger.process_outputs = real_process
+        eng.budget.trim = real_trim
     assert set(finished) == set(seqs)
     for rid, (seq, r) in seqs.items():
         assert emitted[rid] == seq.output_token_ids  # emitted == appended
