@@ -71,7 +71,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.ignored)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Stop a request now: free its KV blocks (its draft slot is freed by the engine)."""
+        """Stop a request now: free its KV blocks and slot.
+
+        Under overlap its next step may still be in flight, writing KV into these blocks and its
+        sampled token into next_tokens[slot]. Reusing them at once is safe because every step
+        runs on one device stream: a later step that reuses the block or slot is queued after
+        the in-flight one, so its own writes land last; the host never reads either. (The race
+        SGLang hit came from reading such buffers on another stream or on the host.)"""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self._release_slot(seq)
