@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculative_config=SpeculativeConfig.parse(args.speculative_config),
         seed=args.seed,
         enforce_eager=getattr(args, "enforce_eager", False),
+        overlap=getattr(args, "overlap", None),
     )
     engine = LLMEngine(config)
     opts = ServerOptions(

@@ -89,3 +89,10 @@ def tiny_llm(**kw: Any) -> LLM:
 @pytest.fixture(scope="session")
 def tiny() -> Iterator[Served]:
     yield from _serve(tiny_llm())
+
+
+@pytest.fixture(scope="session")
+def tiny_overlap() -> Iterator[Served]:
+    """The tiny engine with overlap scheduling forced on (the GPU default): the ledger runs one
+    step late behind the server's engine thread."""
+    yield from _serve(tiny_llm(overlap=True))

@@ -27,7 +27,9 @@ def _assert_clean(srv: Served) -> None:
     srv.server.client.call_sync(lambda eng: eng.check_invariants())
 
 
-def test_64_streams_with_random_disconnects(tiny: Served):
+@pytest.mark.parametrize("served", ["tiny", "tiny_overlap"])
+def test_64_streams_with_random_disconnects(served: str, request: pytest.FixtureRequest):
+    tiny: Served = request.getfixturevalue(served)
     rng = random.Random(7)
     n = 64
     leave_after = {i: rng.randrange(0, 4) for i in rng.sample(range(n), 24)}  # chunks, then leave
