@@ -200,6 +200,7 @@ class LLM:
             # overlapped plain decoding: its step-cost curve and how often it beat speculation
             "plain_step_cost_curve": b.plain.points() if b.plain is not None else None,
             "verify_budget_plain_chosen": b.plain_chosen,
+            "verify_budget_draft_seconds": b.draft_time,  # median drafter time per step
         }
 
     def get_metrics(self) -> dict[str, Any]:

@@ -373,8 +373,13 @@ class LLMEngine:
             if s.params.max_tokens is not None:
                 room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
             limits.append(max(0, room))
+        t0 = time.perf_counter()
         proposals = self.drafter.propose(ready, limits)
         if self.budget is not None:
+            self.budget.record_draft_time(time.perf_counter() - t0)
+            # Confidences are this round's: the drafter ran just now on the step the ledger has
+            # just processed. Speculative steps are synchronous, so no older round is involved;
+            # while speculation is paused (overlapped steps) nothing is drafted at all.
             keep = self.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
             proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
             if self.overlap_when_paused:

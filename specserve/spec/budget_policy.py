@@ -5,7 +5,9 @@ request's drafts to the prefix the chooser picks."""
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,9 @@ class VerifyBudgetPolicy:
             self.plain = StepCostCurve(self.curve.buckets)
             self.plain.calibrate(self.curve, reps=1)
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
+        # host seconds the drafter takes per step (recent median): a speculative step pays it
+        # on top of the verify step, a paused (plain) step does not
+        self._draft_times: deque[float] = deque(maxlen=32)
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -86,6 +91,13 @@ class VerifyBudgetPolicy:
     def record_step(self, rows: int, seconds: float) -> None:
         self.curve.record(rows, seconds)
 
+    def record_draft_time(self, seconds: float) -> None:
+        self._draft_times.append(seconds)
+
+    @property
+    def draft_time(self) -> float:
+        return statistics.median(self._draft_times) if self._draft_times else 0.0
+
     def record_plain_step(self, rows: int, seconds: float) -> None:
         if self.plain is not None:
             self.plain.record(rows, seconds)
@@ -105,8 +117,10 @@ class VerifyBudgetPolicy:
         choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
         keep = choice.num_verify
         if self.plain is not None and any(keep):
-            # one token per decode request in an overlapped step of `base` rows
-            if len(ready) / self.plain(base) >= choice.expected_tokens / choice.step_time:
+            # one token per decode request in an overlapped step of `base` rows, against the
+            # speculative step plus the drafting it needs
+            spec_time = choice.step_time + self.draft_time
+            if len(ready) / self.plain(base) >= choice.expected_tokens / spec_time:
                 keep = [0] * len(drafts)
                 choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
                 self.plain_chosen += 1
