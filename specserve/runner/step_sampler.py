@@ -4,6 +4,8 @@ logprobs."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -23,6 +25,27 @@ def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return h2d(out, torch.int64, device)
+
+
+class PenaltyInputs(NamedTuple):
+    prompt_ids: torch.Tensor  # [rows, P] int64, -1 padded
+    output_ids: torch.Tensor  # [rows, O] int64, -1 padded (output tokens + drafts before the row)
+    presence: torch.Tensor  # [rows] float32
+    frequency: torch.Tensor  # [rows] float32
+    repetition: torch.Tensor  # [rows] float32
+
+
+class SamplerPlan(NamedTuple):
+    """The host's half of a step's verification, built from the requests at launch."""
+
+    layout: RowLayout
+    t: SamplingTensors  # per row
+    draft_ids: torch.Tensor  # [total_q] int64, the draft each verify row checks (0 elsewhere)
+    penalties: PenaltyInputs | None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, cols) to mask, int64
+    forced: torch.Tensor | None  # [total_q] int64 golden tokens, -1 = none
+    slots: torch.Tensor  # [R] int64, each request's slot (for next_tokens)
+    num_logprobs: int | None  # top-N to compute, None = no request wants logprobs
 
 
 class SampledStep:
@@ -103,12 +126,15 @@ class StepSampler:
         draft_probs: torch.Tensor | None = None,  # [total_q, V]
         next_tokens: torch.Tensor | None = None,  # [slots] int64: each request's sampled token
     ) -> SampledStep:
-        """Queue penalties, masks, verification and logprobs on the device without waiting for
-        it. A request's output index counts its pending tokens (overlap scheduling: the step in
-        flight appends them), so RNG counters, min_tokens and golden tokens see the right
-        position."""
+        """plan() then execute(): queue the step's verification without waiting for it."""
+        return self.execute(self.plan(seqs, drafts), logits, draft_probs, next_tokens)
+
+    def plan(self, seqs: list[Sequence], drafts: list[list[int]]) -> SamplerPlan:
+        """Everything the verification needs from the host, read from the requests now (so the
+        device part may run later, e.g. in a worker thread, while the ledger moves on). A
+        request's output index counts its pending tokens (overlap scheduling: the step in flight
+        appends them), so RNG counters, min_tokens and golden tokens see the right position."""
         seqlens_q = [1 + len(d) for d in drafts]
-        layout = self.layout(seqlens_q)
         row_params, row_seeds, row_counters = [], [], []
         draft_rows: list[int] = []
         for seq, d in zip(seqs, drafts):
@@ -119,28 +145,51 @@ class StepSampler:
                 row_counters.append(n_out + j)
             draft_rows.extend(d)
             draft_rows.append(0)  # the last row verifies nothing
-        t = SamplingTensors.build(row_params, row_seeds, row_counters, self.device)
-        draft_ids = h2d(draft_rows, torch.int64, self.device)
-
-        proc = logits
+        penalties = None
         if any(s.params.has_penalties for s in seqs):
             assert not any(s.num_pending for s in seqs), "penalties need every output token"
-            proc = self._penalize(proc, seqs, drafts)
-        proc = self._mask_min_tokens(proc, seqs, drafts)
-        result = verify(proc, draft_ids, draft_probs, t, layout, self._forced(seqs, drafts))
-        if next_tokens is not None:
-            slots = h2d([s.slot for s in seqs], torch.int64, self.device)
-            next_tokens.index_copy_(0, slots, result.sampled_token_ids)
-
-        lr = None
+            penalties = self._penalty_inputs(seqs, drafts)
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-        if want:
+        return SamplerPlan(
+            self.layout(seqlens_q),
+            SamplingTensors.build(row_params, row_seeds, row_counters, self.device),
+            h2d(draft_rows, torch.int64, self.device),
+            penalties,
+            self._min_tokens_mask(seqs, drafts),
+            self._forced(seqs, drafts),
+            h2d([s.slot for s in seqs], torch.int64, self.device),
+            max(want) if want else None,
+        )
+
+    def execute(
+        self,
+        plan: SamplerPlan,
+        logits: torch.Tensor,  # [total_q, V]
+        draft_probs: torch.Tensor | None = None,  # [total_q, V]
+        next_tokens: torch.Tensor | None = None,  # [slots] int64
+    ) -> SampledStep:
+        """The device part: penalties, min_tokens mask, verification, next_tokens, logprobs."""
+        proc = logits
+        if plan.penalties is not None:
+            proc = apply_penalties(proc, *plan.penalties)
+        if plan.min_tokens_mask is not None:
+            rows, cols = plan.min_tokens_mask
+            # index_fill_ on flat indices: advanced-index assignment (logits[rows, cols] = x)
+            # syncs on CUDA, which the sync guard test caught
+            flat = rows * proc.shape[1] + cols
+            proc = proc.clone().view(-1).index_fill_(0, flat, float("-inf")).view(proc.shape)
+        layout = plan.layout
+        result = verify(proc, plan.draft_ids, draft_probs, plan.t, layout, plan.forced)
+        if next_tokens is not None:
+            next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
+        lr = None
+        if plan.num_logprobs is not None:
             emitted = torch.where(
                 result.verified_token_ids >= 0,
                 result.verified_token_ids.to(torch.int64),
                 result.sampled_token_ids[layout.row_to_req],
             )
-            lr = compute_logprobs(logits, emitted, max(want))
+            lr = compute_logprobs(logits, emitted, plan.num_logprobs)
         return SampledStep(result, lr)
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
@@ -154,9 +203,7 @@ class StepSampler:
             rows.extend(gold[n + j] if n + j < len(gold) else -1 for j in range(len(d) + 1))
         return h2d(rows, torch.int64, self.device)
 
-    def _penalize(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> torch.Tensor:
+    def _penalty_inputs(self, seqs: list[Sequence], drafts: list[list[int]]) -> PenaltyInputs:
         prompt_rows, output_rows = [], []
         pres, freq, rep = [], [], []
         for seq, d in zip(seqs, drafts):
@@ -172,8 +219,7 @@ class StepSampler:
         def f32(x: list[float]) -> torch.Tensor:
             return h2d(x, torch.float32, self.device)
 
-        return apply_penalties(
-            logits,
+        return PenaltyInputs(
             _padded(prompt_rows, self.device),
             _padded(output_rows, self.device),
             f32(pres),
@@ -181,10 +227,11 @@ class StepSampler:
             f32(rep),
         )
 
-    def _mask_min_tokens(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> torch.Tensor:
-        """Rows that would produce an output token before min_tokens can't pick EOS/stop ids."""
+    def _min_tokens_mask(
+        self, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) the mask sets to -inf: rows that would produce an output token before
+        min_tokens can't pick EOS/stop ids."""
         rows: list[int] = []
         cols: list[int] = []
         row = 0
@@ -198,9 +245,5 @@ class StepSampler:
                     cols.extend(banned)
             row += len(d) + 1
         if not rows:
-            return logits
-        # index_fill_ on flat indices: advanced-index assignment (logits[rows, cols] = x) syncs
-        # on CUDA, which the sync guard test caught
-        v = logits.shape[1]
-        flat = h2d([r * v + c for r, c in zip(rows, cols)], torch.int64, self.device)
-        return logits.clone().view(-1).index_fill_(0, flat, float("-inf")).view(logits.shape)
+            return None
+        return h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)
