@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -13,7 +14,7 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
-from specserve.engine.ledger import Ledger
+from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
@@ -32,10 +33,22 @@ from specserve.spec.slots import DraftSlotPool
 PAUSE_STEPS = 8
 
 
+class _WorkerStep:
+    """A step whose device part runs in the CPU worker thread: waits for it, then for its
+    results (None for a step of prefill chunks only)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> HostStepResult | None:
+        sampled = self.future.result()
+        return sampled.wait() if sampled is not None else None
+
+
 class LaunchedStep(NamedTuple):
     batch: StepBatch
     seqs: list[Sequence]  # its sampling requests, in verify-layout order
-    sampled: SampledStep | None  # None: a step of prefill chunks only
+    sampled: SampledStep | _WorkerStep | None  # None: a step of prefill chunks only
     t0: float  # host time at launch (the step-cost curve)
     overlapped: bool  # launched while its predecessor was still in flight
 
@@ -142,6 +155,20 @@ class LLMEngine:
         self._next_id = 0
         self.num_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
+        # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
+        # so steps still run in order and each reads the next_tokens its predecessor wrote)
+        self._worker = (
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix="specserve-step",
+                # intra-op thread counts are per thread under OpenMP: match the caller's, or the
+                # GEMMs block differently and greedy outputs drift from the synchronous path
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
+            if want and self.device.type != "cuda"
+            else None
+        )
         self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
         self.budget = (
             VerifyBudgetPolicy(self, cache_dir() if config.cache_step_cost else None)
@@ -292,20 +319,29 @@ class LLMEngine:
         assert not (overlap and any(batch.num_drafts)), "drafts need the synchronous path"
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
         self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
-        logits = self.runner.forward(self.runner.prepare(batch))
-        sampled = None
+        inputs = self.runner.prepare(batch)
+        plan = draft_q = None
         if seqs:
             drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-            sampled = self.sampler.launch(
-                logits,
-                seqs,
-                drafts,
-                self._draft_q(seqs, drafts),
-                self.runner.next_tokens if overlap else None,
+            plan = self.sampler.plan(seqs, drafts)
+            draft_q = self._draft_q(seqs, drafts)
+        next_tokens = self.runner.next_tokens if overlap else None
+
+        def device_part() -> SampledStep | None:
+            logits = self.runner.forward(inputs)
+            return self.sampler.execute(plan, logits, draft_q, next_tokens) if plan else None
+
+        if overlap and self._worker is not None:
+            # CPU: the forward runs in the worker while this thread runs the ledger of the
+            # previous step and builds the next one (torch releases the GIL inside its ops)
+            sampled: SampledStep | _WorkerStep | None = _WorkerStep(
+                self._worker.submit(device_part)
             )
-            if overlap:
-                for s in seqs:
-                    s.num_pending += 1
+        else:
+            sampled = device_part()
+        if overlap:
+            for s in seqs:
+                s.num_pending += 1
         self.timeline.end()
         return LaunchedStep(batch, seqs, sampled, t0, overlap)
 

@@ -24,6 +24,9 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor  # [T] int64
     ctx: ForwardContext
     logit_rows: torch.Tensor  # [total_q] int64, rows of the verify layout inside the T rows
+    # [T] int64 slot whose next_tokens entry feeds the row (0: input_ids[r] as is). Read in
+    # forward(), not when the inputs are built: the step in flight may not have written it yet.
+    pending: torch.Tensor | None = None
 
 
 def kv_bytes_per_block(
@@ -174,18 +177,18 @@ class ModelRunner:
         )
         ids = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=sum(qlens))
         lr = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
-        input_ids = t(ids)
-        if pending is not None:
-            src = t(pending)
-            input_ids = torch.where(src > 0, self.next_tokens[src], input_ids)
-        return StepInputs(input_ids, t(np.concatenate(pos)), ctx, t(lr))
+        src = t(pending) if pending is not None else None
+        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:
         """Logits [total_q, V] of the verify layout's rows (float32)."""
         if isinstance(inputs, BucketStep):
             return self.graphs.run(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.ctx)
+        ids = inputs.input_ids
+        if inputs.pending is not None:
+            ids = torch.where(inputs.pending > 0, self.next_tokens[inputs.pending], ids)
+        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.ctx)
         if inputs.logit_rows.numel() == 0:
             return hidden.new_zeros((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logit_rows])
