@@ -8,10 +8,18 @@ tiny_llama_dir     the tiny Llama one (vocab 49152, SmolLM2 tokenizer inside: lo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# CI replays the same examples every run (a red CI then means a change broke something, not that
+# a new random example turned up); local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 TINY_VOCAB = 49152  # SmolLM2's: its tokenizer's ids fit, so text prompts work on tiny models
 _TINY = {
