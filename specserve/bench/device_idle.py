@@ -1,6 +1,6 @@
 """Device idle time between consecutive steps in steady decode, overlap on vs off (same run).
 
-    python -m specserve.bench.device_idle --model dummy:llama-3.1-8b --batch 64 --json idle.json
+    specserve bench idle --model dummy:llama-3.1-8b --batch 64 --json idle.json
 
 B requests of --input-len random tokens start together and decode --max-tokens tokens each
 (ignore_eos); CUDA events bracket every step (runner/timeline.py) and the summary covers the
@@ -59,8 +59,7 @@ def measure(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dummy:llama-3.1-8b")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, default=64)
@@ -69,7 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--modes", default="overlap,sync", help="comma list of overlap, sync")
     p.add_argument("--json", dest="json_path", default=None)
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     runs = [measure(args, mode == "overlap") for mode in args.modes.split(",")]
     for r in runs:
         print(
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "device_idle",
             "command": " ".join(sys.argv),
-            "settings": vars(args),
+            "settings": {k: v for k, v in vars(args).items() if not callable(v)},
             "hardware": hardware_info(),
             "software": software_info(),
             "timestamp": timestamp(),

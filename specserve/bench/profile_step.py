@@ -1,6 +1,6 @@
 """Where a decode step's device time goes: kernels by total time over a few steady steps.
 
-    python -m specserve.bench.profile_step --model dummy:llama-3.1-8b --batch 1
+    specserve bench profile --model dummy:llama-3.1-8b --batch 1
 
 Runs the decode steps eagerly (--enforce-eager semantics: the very kernels the graph replays,
 each visible to the profiler) under torch.profiler and prints the kernels grouped by name,
@@ -18,16 +18,22 @@ from collections import defaultdict
 import torch
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dummy:llama-3.1-8b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", dest="json_path", default=None)
-    args = p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import LLM, SamplingParams

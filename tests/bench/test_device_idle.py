@@ -15,3 +15,14 @@ def test_device_idle_writes_both_modes(tmp_path) -> None:
     runs = json.loads(path.read_text())["runs"]
     assert [r["overlap"] for r in runs] == [True, False]
     assert all(r["output_tokens"] == 12 for r in runs)
+
+
+def test_idle_and_profile_are_bench_subcommands(tmp_path) -> None:
+    from specserve.cli.main import main
+
+    path = tmp_path / "idle.json"
+    argv = ["bench", "idle", "--model", "dummy:tiny", "--batch", "2", "--input-len", "4"]
+    rc = main(
+        [*argv, "--max-tokens", "3", "--dtype", "float32", "--modes", "sync", "--json", str(path)]
+    )
+    assert rc == 0 and json.loads(path.read_text())["runs"][0]["output_tokens"] == 6
