@@ -3,7 +3,6 @@ request set, optionally against HF transformers on the same prompts in the same 
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections.abc import Sequence
@@ -11,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specserve.bench import hf_baseline
+from specserve.bench.common import free_memory
 from specserve.bench.datasets import (
     BenchRequest,
     load_humaneval_rewrite,
@@ -270,7 +270,7 @@ def run_throughput(
     baseline_path = _baseline_model_path(s, llm) if s.baseline else None
     if own:
         del llm
-        _free_memory()
+        free_memory()
     base: RunResult | None = None
     if s.baseline == "hf":
         assert baseline_path is not None
@@ -321,14 +321,3 @@ def run_throughput(
         title = f"{model_name} | {s.dataset} x{s.num_prompts} | max_tokens={s.max_tokens}"
         plot_report(sides, s.plot_path, title=title)
     return report
-
-
-def _free_memory() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
