@@ -155,6 +155,7 @@ class LLMEngine:
         self._next_id = 0
         self.num_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
+        self._num_penalized = 0  # live requests with penalties (they force synchronous steps)
         # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
         # so steps still run in order and each reads the next_tokens its predecessor wrote)
         self._worker = (
@@ -242,6 +243,7 @@ class LLMEngine:
                 params.min_tokens,
             )
         self.requests[request_id] = seq
+        self._num_penalized += params.has_penalties
         self.scheduler.add(seq)
         if seq.is_finished:  # prompt too long: finish_reason prompt_length_exceeded
             self._terminal.append(seq)
@@ -254,6 +256,15 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ABORT)
         self._terminal.append(seq)
         return True
+
+    def forget(self, request_id: str) -> Sequence | None:
+        """Drop a finished request whose final output has been handed out."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self._num_penalized -= seq.params.has_penalties
+            if self.drafter is not None:
+                self.drafter.release(seq)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -275,8 +286,9 @@ class LLMEngine:
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
         if self._inflight is not None and (not overlap or self._needs_sync()):
-            outputs += self._process(self._inflight, self.scheduler.step_id + 1, draft=True)
-            self._inflight = None
+            # taken before processing: a step whose readback raised is not processed again
+            inflight, self._inflight = self._inflight, None
+            outputs += self._process(inflight, self.scheduler.step_id + 1, draft=True)
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
@@ -289,14 +301,12 @@ class LLMEngine:
             if launched is not None:
                 outputs += self._process(launched, batch.step, draft=True)
         else:
-            if self._inflight is not None:
-                outputs += self._process(self._inflight, batch.step, draft=False)
-            self._inflight = launched
+            inflight, self._inflight = self._inflight, launched
+            if inflight is not None:
+                outputs += self._process(inflight, batch.step, draft=False)
         for out in outputs:
             if out.finished:
-                seq = self.requests.pop(out.request_id, None)
-                if seq is not None and self.drafter is not None:
-                    self.drafter.release(seq)
+                self.forget(out.request_id)
         if self._inflight is None:
             self._last_readback = None  # drained: the next interval would include idle time
         if self.config.debug_invariants:
@@ -311,7 +321,7 @@ class LLMEngine:
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: a step with such a request waits for
         the step in flight first."""
-        return any(s.params.has_penalties for s in self.requests.values())
+        return self._num_penalized > 0
 
     def _launch(self, batch: StepBatch, overlap: bool) -> LaunchedStep:
         """Queue the step's forward and verification on the device; nothing waits for it."""

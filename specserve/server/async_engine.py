@@ -309,9 +309,7 @@ class AsyncEngine:
         # has_unfinished() true forever (LLMEngine._terminal is the engine's report queue)
         pending = {s.request_id for s in eng._terminal}
         for rid in [r for r, s in eng.requests.items() if s.is_finished and r not in pending]:
-            seq = eng.requests.pop(rid)
-            if eng.drafter is not None:
-                eng.drafter.release(seq)
+            eng.forget(rid)
         self._fail([rid for rid in affected if rid in self._live], exc)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:

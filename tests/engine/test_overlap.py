@@ -175,3 +175,31 @@ def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(mon
 def test_no_overlap_flag_keeps_speculation_synchronous():
     llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
     assert not llm.engine.overlap and not llm.engine.overlap_when_paused
+
+
+def test_a_step_whose_processing_failed_is_not_processed_again(monkeypatch):
+    """Overlap: if reading back / processing the step in flight raises, that step is dropped (the
+    server then fails its requests); the next step() does not hit the same error again."""
+    eng = make_llm(max_num_seqs=4, overlap=True).engine
+    eng.add_request(prompts_of([6])[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()
+    real = eng.ledger.process_outputs
+    bad = []
+
+    def fail_on_one_step(batch, *rest):  # a step whose results can never be processed
+        if not bad:
+            bad.append(batch)
+        if batch is bad[0]:
+            raise RuntimeError("injected")
+        return real(batch, *rest)
+
+    monkeypatch.setattr(eng.ledger, "process_outputs", fail_on_one_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    for s in list(eng.scheduler.running):  # what the server's recovery does: fail the batch
+        eng.abort(s.request_id)
+    seq = eng.add_request(prompts_of([5])[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.num_output_tokens == 4
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
