@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a haiku about speculative decoding.
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test lint format bench clean devcarry
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ format: install
 # pytest exits 5 when no test ran: that fails the target like any other failure
 test: install lint
 	$(VENV)/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider
+
+# What GPU runs carry to the device machine (tokenizer + ShareGPT pairs; see the module).
+devcarry: install
+	$(PY) -m specserve.bench.devcarry
+	grep -qx '.devcarry' .git/info/exclude 2>/dev/null || echo .devcarry >> .git/info/exclude
 
 clean:
 	rm -rf $(VENV) build *.egg-info
