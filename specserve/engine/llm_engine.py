@@ -31,6 +31,10 @@ from specserve.spec.slots import DraftSlotPool
 # again: long enough that the one synchronous step which re-drafts costs little, short enough to
 # notice the load falling.
 PAUSE_STEPS = 8
+# At the end of a pause the budget is first asked with the last drafting round's confidences (no
+# synchronous step needed); after this many such extensions in a row it drafts for real, so the
+# confidences it prices with are never more than (1 + this) pauses old.
+MAX_STALE_PAUSES = 7
 
 
 class _WorkerStep:
@@ -94,6 +98,7 @@ class LLMEngine:
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
         self._paused_until = 0  # steps before this id run without drafts, overlapped
+        self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
         self._last_readback: float | None = None  # when the last overlapped step was read back
         # one slot per running request: drafts live there, and so does the token each request
         # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
@@ -316,7 +321,19 @@ class LLMEngine:
     def _overlap_now(self) -> bool:
         if self.overlap:
             return True
-        return self.overlap_when_paused and self.scheduler.step_id + 1 < self._paused_until
+        if not self.overlap_when_paused or not self._paused_until:
+            return False
+        nxt = self.scheduler.step_id + 1
+        if nxt < self._paused_until:
+            return True
+        # the pause is over: if the budget still wants plain decoding at this load (asked with
+        # the last drafting round's confidences), extend it without a synchronous step
+        if self._stale_pauses < MAX_STALE_PAUSES and self.budget.keeps_pausing():
+            self._stale_pauses += 1
+            self._paused_until = nxt + PAUSE_STEPS
+            return True
+        self._paused_until = 0
+        return False
 
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: a step with such a request waits for
@@ -434,6 +451,7 @@ class LLMEngine:
                 # Any draft kept ends the pause: drafts need the synchronous path.
                 pause = not any(keep)
                 self._paused_until = self.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
+                self._stale_pauses = 0
         for s, (d, conf) in zip(ready, proposals):
             pool.put(s.slot, d, conf)
 

@@ -16,7 +16,7 @@ import torch
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
 from specserve.spec.step_cost import StepCostCurve
-from specserve.spec.verify_budget import choose_verify_budget, survivals
+from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
 
 if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine
@@ -103,27 +103,38 @@ class VerifyBudgetPolicy:
             self.plain.record(rows, seconds)
 
     # -- the choice -----------------------------------------------------------------------------
+    def _base_rows(self, num_ready: int) -> int:
+        """Rows the next step runs anyway: one per decode request + the prefill chunks it admits."""
+        sched = self.engine.scheduler
+        prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+        free_seqs = sched.max_num_seqs - len(sched.running)
+        prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
+        return num_ready + min(prefill, max(0, self.max_rows - num_ready))
+
+    def _choose(self, usable: list[list[float]], num_ready: int, base: int) -> BudgetChoice:
+        """The chooser over the synchronous curve, then speculation as a whole against plain
+        overlapped decoding (num_verify all 0 when plain wins)."""
+        choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
+        if self.plain is not None and any(choice.num_verify):
+            # one token per decode request in an overlapped step of `base` rows, against the
+            # speculative step plus the drafting it needs
+            spec_time = choice.step_time + self.draft_time
+            if num_ready / self.plain(base) >= choice.expected_tokens / spec_time:
+                self.plain_chosen += 1
+                return choice._replace(
+                    num_verify=[0] * len(usable), expected_tokens=float(num_ready)
+                )
+        return choice
+
     def trim(
         self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]
     ) -> list[int]:
         """How many drafts each ready request verifies next step."""
-        sched = self.engine.scheduler
-        # rows the next step runs anyway: one per decode request + the prefill chunks it admits
-        prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
-        free_seqs = sched.max_num_seqs - len(sched.running)
-        prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
-        base = len(ready) + min(prefill, max(0, self.max_rows - len(ready)))
+        base = self._base_rows(len(ready))
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
-        choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
+        self._last_round = [c for c in usable if c]
+        choice = self._choose(usable, len(ready), base)
         keep = choice.num_verify
-        if self.plain is not None and any(keep):
-            # one token per decode request in an overlapped step of `base` rows, against the
-            # speculative step plus the drafting it needs
-            spec_time = choice.step_time + self.draft_time
-            if len(ready) / self.plain(base) >= choice.expected_tokens / spec_time:
-                keep = [0] * len(drafts)
-                choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
-                self.plain_chosen += 1
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
             room = max(0, self.max_rows - base)
@@ -136,6 +147,22 @@ class VerifyBudgetPolicy:
         self.chosen_rows += sum(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
         return keep
+
+    def keeps_pausing(self) -> bool:
+        """At the end of a pause (overlapped plain steps): would the chooser still keep no drafts
+        for the requests decoding now? Confidences come from the last round that drafted, the
+        one that started the pause (up to a few pauses old): its confidences, cycled over the
+        current decode requests, priced with the current curves and load. Asking this needs no
+        drafts, so no synchronous step; False means "draft and ask for real" (also when that
+        round had no drafts at all: only drafting can tell whether there are any now)."""
+        last = getattr(self, "_last_round", None)
+        running = self.engine.scheduler.running
+        num_ready = sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        if not last or num_ready == 0:
+            return False
+        usable = [last[i % len(last)] for i in range(num_ready)]
+        choice = self._choose(usable, num_ready, self._base_rows(num_ready))
+        return not any(choice.num_verify)
 
 
 def _sync(device: torch.device) -> None:

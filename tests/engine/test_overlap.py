@@ -172,6 +172,36 @@ def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(mon
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
 
 
+def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(monkeypatch):
+    """At the end of a pause the engine asks keeps_pausing() (last round's confidences) first:
+    while it says yes, steps stay overlapped, up to MAX_STALE_PAUSES extensions, then it drafts
+    for real. Outputs stay lossless."""
+    from specserve.engine.llm_engine import MAX_STALE_PAUSES, PAUSE_STEPS
+
+    prompts = prompts_of([12, 30, 8, 21])
+    prompts.append([101, 102, 103, 104] * 8)
+    n_tokens = PAUSE_STEPS * (MAX_STALE_PAUSES + 3)
+    sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(False), prompts, sp)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
+    eng = llm.engine
+    trims, asks = [], []
+    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: trims.append(1) or [0] * len(d))
+    monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: asks.append(1) or True)
+    kinds = []
+    real_launch = eng._launch
+    monkeypatch.setattr(
+        eng, "_launch", lambda batch, overlap: kinds.append(overlap) or real_launch(batch, overlap)
+    )
+    assert _run(llm, prompts, sp) == want
+    # the first pause starts at the first decode step; then each real trim is followed by one
+    # pause and MAX_STALE_PAUSES extensions, all overlapped
+    per_trim = PAUSE_STEPS * (1 + MAX_STALE_PAUSES)
+    assert len(asks) >= MAX_STALE_PAUSES
+    assert len(trims) <= 2 + n_tokens // per_trim
+    assert kinds.count(False) <= len(trims) + 2  # prefill + one synchronous step per real trim
+
+
 def test_no_overlap_flag_keeps_speculation_synchronous():
     llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
     assert not llm.engine.overlap and not llm.engine.overlap_when_paused

@@ -161,3 +161,32 @@ def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
     again = StepCostCurve.load(path, [1, 2, 4, 8])
     assert again is not None and math.isclose(again(8), curve(8))
     assert StepCostCurve.load(path, [1, 2]) is None
+
+
+def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
+    """keeps_pausing prices the requests decoding now with the confidences of the last round
+    that drafted: still plain under the same load, speculate again once the load falls; no round
+    with drafts at all means "draft for real"."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
+    p.engine, p.max_rows = SimpleNamespace(scheduler=sched), 512
+    p.curve = StepCostCurve([1, 8, 16, 32, 64, 128])
+    p.curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # each row costs 1/16 of a step
+    p.plain = StepCostCurve(p.curve.buckets)
+    p.plain.calibrate(lambda rows: 1.0 + rows / 16, reps=1)
+    p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
+    p.plain_chosen = 0
+    p._draft_times = collections.deque(maxlen=32)
+    decoding = SimpleNamespace(num_uncomputed_tokens=1)
+    sched.running = [decoding] * 64
+    assert not p.keeps_pausing()  # no round has drafted yet: only drafting can tell
+    assert p.trim(sched.running, [[1, 2]] * 64, [[0.4, 0.2]] * 64) == [0] * 64
+    assert p.keeps_pausing()  # same load, same confidences: stay plain
+    sched.running = [decoding] * 2  # the load fell: speculation pays again
+    assert not p.keeps_pausing()
+    sched.running = [SimpleNamespace(num_uncomputed_tokens=40)] * 2  # only prefills: ask for real
+    assert not p.keeps_pausing()
