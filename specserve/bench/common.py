@@ -1,5 +1,5 @@
-"""Helpers shared by the speculation benchmarks (spec-sweep, golden-curve): golden continuations,
-the exact command line for reports, and freeing one engine's device memory before the next."""
+"""Helpers shared by the benchmarks: golden continuations, the exact command line for reports,
+freeing one engine's device memory before the next, the batch-1 memory roofline."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import gc
 import hashlib
 import random
 import shlex
+import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,6 +73,45 @@ def free_memory() -> None:
             torch.cuda.empty_cache()
     except ImportError:
         pass
+
+
+def memory_roofline(llm: Any, decode_tok_s: float) -> dict[str, float] | None:
+    """Batch-1 decode against the memory roofline, measured in this run: every weight byte is
+    read once per token, at the device's copy bandwidth (bytes read + written by a 1 GiB
+    device-to-device copy, median of 10). None off CUDA."""
+    import torch
+
+    eng = getattr(llm, "engine", None)
+    if eng is None or eng.device.type != "cuda":
+        return None
+    weight_bytes = sum(
+        t.numel() * t.element_size()
+        for t in [*eng.target_model.parameters(), *eng.target_model.buffers()]
+    )
+    try:
+        src = torch.empty(2**30, dtype=torch.uint8, device=eng.device)
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return None  # the KV cache took the memory: no roofline rather than no benchmark
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    seconds = statistics.median(times[2:])
+    bandwidth = 2 * 2**30 / seconds
+    roofline = bandwidth / weight_bytes
+    return {
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_s": bandwidth,
+        "roofline_tok_s": roofline,
+        "decode_tok_s": decode_tok_s,
+        "fraction_of_roofline": decode_tok_s / roofline,
+    }
 
 
 def engine_kwargs(

@@ -1,10 +1,15 @@
-"""Where a decode step's device time goes: kernels by total time over a few steady steps.
+"""Where the device time goes: kernels by total time.
 
     specserve bench profile --model dummy:llama-3.1-8b --batch 1
+    specserve bench profile --model dummy:llama-3.1-8b --workload 256 --input-len 512 \
+        --input-len-min 32 --max-tokens 256
 
-Runs the decode steps eagerly (--enforce-eager semantics: the very kernels the graph replays,
-each visible to the profiler) under torch.profiler and prints the kernels grouped by name,
-their launch counts per step and the share of the step's device time; with --json, keeps it.
+Default: a few steady decode steps, run eagerly (--enforce-eager semantics: the very kernels the
+graph replays, each visible to the profiler), kernels grouped by name with their launches per
+step and share of the step's device time. With --workload N: a whole offline run of N random
+prompts with the engine's real settings (graphs, overlap), as `bench throughput` runs it, split
+into decode steps and the rest (prefill chunks) by device time, plus the kernels of the whole run.
+With --json, keeps it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import argparse
 import json
 import random
 import sys
+import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -24,6 +31,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--workload", type=int, default=0, help="profile a whole run of N prompts")
+    p.add_argument("--input-len-min", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -33,7 +44,93 @@ def main(argv: list[str] | None = None) -> int:
     return run(p.parse_args(argv))
 
 
+def _kernel_totals(prof: Any) -> tuple[dict[str, float], dict[str, int]]:
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = getattr(ev, "device_time_total", None)
+            totals[ev.name] += t if t is not None else ev.cuda_time_total
+            counts[ev.name] += 1
+    return totals, counts
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    """A whole offline run under the profiler plus the step timeline (decode vs other steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specserve import LLM, SamplingParams
+    from specserve.bench.datasets import random_requests
+
+    n = args.workload
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=n,
+        max_model_len=args.input_len + args.max_tokens + 16,
+        enable_prefix_caching=False,
+        progress=False,
+    )
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    lo = args.input_len_min or args.input_len
+    reqs = random_requests(n, (lo, args.input_len), args.max_tokens, vocab, seed=0)
+    prompts = [r.prompt_token_ids for r in reqs]
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    warm = random_requests(n, (lo, args.input_len), 16, vocab, seed=1)
+    llm.generate([r.prompt_token_ids for r in warm], SamplingParams(max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    torch.cuda.synchronize()
+    eng.timeline.start()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    eng.timeline.stop()
+    decode, other = eng.timeline.summary("decode"), eng.timeline.summary("other")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{n} prompts x {args.max_tokens} tokens: {wall:.2f} s, {tokens / wall:.0f} tok/s "
+          f"(no profiler)")  # fmt: skip
+    for name, s in (("decode", decode), ("other", other)):
+        print(f"  {name:6s} steps {s.num_steps:4d}: device busy {s.busy_ms:8.1f} ms "
+              f"({s.busy_ms / max(1, s.num_steps):.2f} ms/step), idle {s.idle_ms:.1f} ms")  # fmt: skip
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+    totals, counts = _kernel_totals(prof)
+    total = sum(totals.values())
+    rows = sorted(totals, key=totals.get, reverse=True)
+    print(
+        f"kernels (profiled run): {total / 1e3:.1f} ms device time, {sum(counts.values())} launches"
+    )
+    for name in rows[: args.top]:
+        print(f"{totals[name] / 1e3:9.1f} ms {100 * totals[name] / total:5.1f} % "
+              f"x{counts[name]:7d}  {name[:100]}")  # fmt: skip
+    if args.json_path:
+        summary = {
+            name: {"steps": s.num_steps, "busy_ms": s.busy_ms, "idle_ms": s.idle_ms}
+            for name, s in (("decode", decode), ("other", other))
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(
+                {
+                    "command": " ".join(sys.argv),
+                    "wall_s": wall,
+                    "output_tokens": tokens,
+                    "steps": summary,
+                    "device_ms_profiled": total / 1e3,
+                    "kernels": [
+                        {"name": k, "ms": totals[k] / 1e3, "count": counts[k]} for k in rows
+                    ],
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.workload:
+        return run_workload(args)
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import LLM, SamplingParams
@@ -60,13 +157,7 @@ def run(args: argparse.Namespace) -> int:
             eng.step()
         torch.cuda.synchronize()
     eng.fail_all()
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = getattr(ev, "device_time_total", None)
-            totals[ev.name] += t if t is not None else ev.cuda_time_total
-            counts[ev.name] += 1
+    totals, counts = _kernel_totals(prof)
     step_us = sum(totals.values()) / args.steps
     rows = sorted(totals, key=totals.get, reverse=True)
     print(f"device time per step: {step_us / 1000:.3f} ms, kernels per step: "

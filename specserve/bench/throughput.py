@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from specserve.bench import hf_baseline
-from specserve.bench.common import free_memory
+from specserve.bench.common import free_memory, memory_roofline
 from specserve.bench.datasets import (
     BenchRequest,
     load_humaneval_rewrite,
@@ -267,6 +267,11 @@ def run_throughput(
     ours = run_specserve(llm, requests, s)
     after = _metrics(llm)
     spec = speculation_summary(before, after)
+    roofline = (
+        memory_roofline(llm, ours.median_decode_tok_s)
+        if s.batch_1 and ours.median_decode_tok_s
+        else None
+    )
     baseline_path = _baseline_model_path(s, llm) if s.baseline else None
     if own:
         del llm
@@ -298,6 +303,7 @@ def run_throughput(
         "ratio": ratios(ours, base) if base else None,
         "speculation": spec,
         "engine_metrics": after,
+        "memory_roofline": roofline,
     }
     if verbose:
         sides = [ours] + ([base] if base else [])
@@ -310,6 +316,13 @@ def run_throughput(
         for side in sides if s.batch_1 else []:
             rates = ", ".join(f"{r:.1f}" for r in side.per_request_decode_tok_s)
             print(f"{side.name} decode tok/s per request: [{rates}]")
+        if roofline:
+            print(
+                f"memory roofline: {roofline['weight_bytes'] / 1e9:.2f} GB of weights at "
+                f"{roofline['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s copy bandwidth = "
+                f"{roofline['roofline_tok_s']:.1f} tok/s; decode at "
+                f"{100 * roofline['fraction_of_roofline']:.1f} % of it"
+            )
         if spec:
             print(format_speculation(spec))
         elif s.speculative_config:
