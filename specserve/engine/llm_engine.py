@@ -99,6 +99,9 @@ class LLMEngine:
         self.overlap_when_paused = want and self.drafter is not None
         self._paused_until = 0  # steps before this id run without drafts, overlapped
         self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
+        # a synchronous decode step's (step() start, launch-to-readback): its host overhead
+        self._sync_period: tuple[float, float] | None = None
+        self._launch_to_readback: float | None = None
         self._last_readback: float | None = None  # when the last overlapped step was read back
         # one slot per running request: drafts live there, and so does the token each request
         # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
@@ -288,12 +291,19 @@ class LLMEngine:
         """Synchronous: schedule, launch and process step N. Overlap: schedule and launch step
         N+1, then process step N (still running on the device until its readback arrives, while
         N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
+        t_start = time.perf_counter()
+        if self._sync_period is not None:
+            start, launch_to_readback = self._sync_period
+            self.budget.record_sync_overhead(t_start - start - launch_to_readback)
+            self._sync_period = None
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
+        flushed = False
         if self._inflight is not None and (not overlap or self._needs_sync()):
             # taken before processing: a step whose readback raised is not processed again
             inflight, self._inflight = self._inflight, None
             outputs += self._process(inflight, self.scheduler.step_id + 1, draft=True)
+            flushed = True
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
@@ -305,6 +315,13 @@ class LLMEngine:
         if not overlap:
             if launched is not None:
                 outputs += self._process(launched, batch.step, draft=True)
+                if self._launch_to_readback is not None and not flushed and self.has_unfinished():
+                    # A synchronous step costs its whole period, up to the next step(): on top
+                    # of launch-to-readback (the curve) come scheduling, the ledger, drafting
+                    # and the caller's handling of the outputs, all hidden under overlap. Taken
+                    # at the next step() if requests are still running (else it is idle time).
+                    self._sync_period = (t_start, self._launch_to_readback)
+                self._launch_to_readback = None
         else:
             inflight, self._inflight = self._inflight, launched
             if inflight is not None:
@@ -391,11 +408,10 @@ class LLMEngine:
             # prefill chunk's rows cost far less per row (no per-row KV reads, big GEMMs), so
             # folding them in made verify rows look cheap.
             now = time.perf_counter()
-            decode = all(batch.samples)
-            if not launched.overlapped:
-                if decode:
-                    self.budget.record_step(batch.num_rows, now - launched.t0)
-            elif self._last_readback is not None and decode:
+            if not launched.overlapped and all(batch.samples):
+                self.budget.record_step(batch.num_rows, now - launched.t0)
+                self._launch_to_readback = now - launched.t0
+            elif launched.overlapped and self._last_readback is not None and all(batch.samples):
                 # overlapped: a step's launch-to-readback also spans its predecessor; in steady
                 # state the step costs the time between consecutive readbacks
                 self.budget.record_plain_step(batch.num_rows, now - self._last_readback)

@@ -45,9 +45,11 @@ class VerifyBudgetPolicy:
             self.plain = StepCostCurve(self.curve.buckets)
             self.plain.calibrate(self.curve, reps=1)
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
-        # host seconds the drafter takes per step (recent median): a speculative step pays it
-        # on top of the verify step, a paused (plain) step does not
+        # host seconds the drafter takes per step (recent median; a metric: the sync overhead
+        # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
+        # host seconds a synchronous step adds to its launch-to-readback time (recent median)
+        self._sync_overheads: deque[float] = deque(maxlen=16)
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -98,6 +100,14 @@ class VerifyBudgetPolicy:
     def draft_time(self) -> float:
         return statistics.median(self._draft_times) if self._draft_times else 0.0
 
+    def record_sync_overhead(self, seconds: float) -> None:
+        if seconds >= 0:
+            self._sync_overheads.append(seconds)
+
+    @property
+    def sync_overhead(self) -> float:
+        return statistics.median(self._sync_overheads) if self._sync_overheads else 0.0
+
     def record_plain_step(self, rows: int, seconds: float) -> None:
         if self.plain is not None:
             self.plain.record(rows, seconds)
@@ -116,9 +126,10 @@ class VerifyBudgetPolicy:
         overlapped decoding (num_verify all 0 when plain wins)."""
         choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
         if self.plain is not None and any(choice.num_verify):
-            # one token per decode request in an overlapped step of `base` rows, against the
-            # speculative step plus the drafting it needs
-            spec_time = choice.step_time + self.draft_time
+            # one token per decode request in an overlapped step of `base` rows (its curve holds
+            # whole periods: host work hidden), against the speculative step plus the host work
+            # a synchronous step adds to it (scheduling, ledger, drafting, the caller)
+            spec_time = choice.step_time + self.sync_overhead
             if num_ready / self.plain(base) >= choice.expected_tokens / spec_time:
                 self.plain_chosen += 1
                 return choice._replace(

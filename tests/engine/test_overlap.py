@@ -2,6 +2,8 @@
 tokens read from the device-resident next_tokens buffer), checked against the synchronous path.
 On CPU the device work runs inline, so these tests pin the bookkeeping, not the concurrency."""
 
+import statistics
+
 import pytest
 
 from specserve import SamplingParams
@@ -200,6 +202,22 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     assert len(asks) >= MAX_STALE_PAUSES
     assert len(trims) <= 2 + n_tokens // per_trim
     assert kinds.count(False) <= len(trims) + 2  # prefill + one synchronous step per real trim
+
+
+def test_synchronous_steps_report_their_host_overhead_to_the_budget():
+    """The budget prices a speculative step as launch-to-readback (its curve) plus the host work
+    a synchronous step adds before the next one starts (ledger, drafting, the caller): the
+    engine measures the latter between consecutive step() calls."""
+    prompts = prompts_of([12, 30, 8, 21])
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    budget = llm.engine.budget
+    real = budget.record_sync_overhead
+    seen = []
+    budget.record_sync_overhead = lambda s: seen.append(s) or real(s)
+    _run(llm, prompts, sp)
+    assert len(seen) >= 10 and min(seen) >= 0.0  # one per decode step but the last
+    assert budget.sync_overhead == statistics.median(seen[-16:]) > 0
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():

@@ -82,6 +82,7 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
     policy.expected_accepted, policy.chosen_rows, policy.offered_rows, policy._calls = 0.0, 0, 0, 0
     policy.plain, policy.plain_chosen = None, 0
     policy._draft_times = collections.deque(maxlen=32)
+    policy._sync_overheads = collections.deque(maxlen=16)
     kept = [policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) for _ in range(EXPLORE_EVERY)]
     assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
     for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
@@ -111,6 +112,7 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
         p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
         p.plain_chosen = 0
         p._draft_times = collections.deque(maxlen=32)
+        p._sync_overheads = collections.deque(maxlen=16)
         return p
 
     ready = [object()] * 32
@@ -120,9 +122,10 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
     fast_plain = policy_with(0.7)  # overlap hides 30 % of the step: 30.5 tok/s plain
     assert fast_plain.trim(ready, drafts, confs) == [0] * 32
     assert fast_plain.plain_chosen == 1
-    # drafting is part of a speculative step's price: a slow drafter tips the same case to plain
+    # the host work a synchronous step adds (scheduling, ledger, drafting: hidden under overlap)
+    # is part of a speculative step's price: a slow drafter tips the same case to plain
     slow_drafter = policy_with(1.0)
-    slow_drafter.record_draft_time(1.0)
+    slow_drafter.record_sync_overhead(1.0)
     assert slow_drafter.trim(ready, drafts, confs) == [0] * 32
 
 
@@ -181,6 +184,7 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
     p.plain_chosen = 0
     p._draft_times = collections.deque(maxlen=32)
+    p._sync_overheads = collections.deque(maxlen=16)
     decoding = SimpleNamespace(num_uncomputed_tokens=1)
     sched.running = [decoding] * 64
     assert not p.keeps_pausing()  # no round has drafted yet: only drafting can tell
