@@ -2,7 +2,8 @@
 
 Closed loop: at concurrency C, C requests are in flight at all times until N are done, all three
 modes on the same prompts and settings in the same run (issue: auto >= best of the others - 3%
-and >= off - 2% at every point).
+and >= off - 2% at every point). --repeats R times each point R times and reports the median run
+(short points on a shared machine are noisy).
 
 With `--method golden` (random-weight models) every request carries golden tokens, drawn once per
 prompt and shared by the three modes: they force the outputs whether or not the engine
@@ -44,6 +45,7 @@ class SweepPoint:
     verify_rows_per_step: float
     steps: int = 0
     output_digest: str = ""  # fingerprint of every request's output tokens
+    repeats_tok_s: list[float] | None = None  # every repeat's tok/s (the point is the median run)
 
     @property
     def tok_s(self) -> float:
@@ -176,10 +178,12 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             _warm_up(llm, requests, c)
             before = llm.get_metrics()
             rows_before = _verify_rows(llm)
-            res = _closed_loop(llm, requests, c)
+            runs = [_closed_loop(llm, requests, c) for _ in range(args.repeats)]
+            res = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]  # the median run
             after = llm.get_metrics()
             drafts = after["spec_drafts"] - before["spec_drafts"]
             acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            steps = sum(r.steps for r in runs)
             point = SweepPoint(
                 mode,
                 c,
@@ -187,9 +191,10 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 res.tokens,
                 res.seconds,
                 1.0 + acc / drafts if drafts else 1.0,
-                (_verify_rows(llm) - rows_before) / max(res.steps, 1),
+                (_verify_rows(llm) - rows_before) / max(steps, 1),
                 res.steps,
                 digest(res.outputs),
+                [r.tokens / r.seconds for r in runs],
             )
             points.append(point)
             print(
@@ -316,6 +321,9 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per point; the median one is reported"
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)

@@ -35,6 +35,7 @@ def test_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
         requests_per_slot=1,
         min_requests=2,
         max_tokens=6,
+        repeats=1,
         dtype="float32",
         device="cpu",
         seed=0,
@@ -62,6 +63,7 @@ def _golden_args(tmp_path, **kw) -> argparse.Namespace:
         requests_per_slot=1,
         min_requests=2,
         max_tokens=7,  # 1 from the prefill + two verify steps of k + 1
+        repeats=1,
         dtype="float32",
         device="cpu",
         max_model_len=64,
@@ -74,13 +76,14 @@ def _golden_args(tmp_path, **kw) -> argparse.Namespace:
 
 @pytest.mark.usefixtures("single_thread")
 def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
-    report = run_sweep(_golden_args(tmp_path))
+    report = run_sweep(_golden_args(tmp_path, repeats=2))
     pts = {(p["mode"], p["concurrency"]): p for p in report["points"]}
+    assert all(len(p["repeats_tok_s"]) == 2 for p in pts.values())
     assert all(p["output_tokens"] == p["requests"] * 7 for p in pts.values())
     assert report["checks"]["outputs_identical"] == {1: True, 2: True}
     assert pts[("off", 1)]["mean_acceptance_length"] == 1.0
     assert pts[("fixed", 1)]["mean_acceptance_length"] == pytest.approx(3.0)  # R = 1, k = 2
-    assert pts[("fixed", 1)]["steps"] == 2 * 3  # two requests, one after the other
+    assert pts[("fixed", 1)]["steps"] == 2 * 3  # two requests, one after the other (one run)
     # the outputs are the golden continuations themselves
     gold = golden_continuations(2, 7, 49152, seed="0:1")
     assert pts[("off", 1)]["output_digest"] == digest(gold)
