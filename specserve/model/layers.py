@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.errors import ModelLoadError
-from specserve.ops.fused import add_rms_norm
-from specserve.ops.linear import gated_linear, linear
+from specserve.ops.fused import add_rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -115,5 +114,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = linear(x, self.gate_up_proj.weight)  # [T, 2I]
-        return gated_linear(gate_up, self.down_proj.weight)  # silu(gate) * up, then down
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] -> [T, I]

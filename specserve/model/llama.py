@@ -18,7 +18,6 @@ from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
 from specserve.ops.fused import rope_
-from specserve.ops.linear import linear
 
 
 class Attention(nn.Module):
@@ -49,7 +48,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2 Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
@@ -63,7 +62,7 @@ class Attention(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
         write_kv(k, v, cache, ctx.slot_mapping, all_valid)
         o = paged_attention(q, cache, ctx, self.scale)  # [T, H, D]
-        return linear(o.view(t, self.q_size), self.o_proj.weight)
+        return self.o_proj(o.view(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
