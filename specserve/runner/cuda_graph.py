@@ -4,8 +4,10 @@ A step is graph-eligible when it is pure decode/verify (every request feeds its 
 its drafts, so every row wants logits), each request has at most 1 + k rows and the total rows
 T fit the largest bucket. It runs as the graph of the smallest bucket >= T: the rows are copied
 into static buffers, padded up to the bucket with rows that write no KV slot (slot -1) and belong
-to no request (padding requests have query_len 0), and the graph computes the model forward and
-the logits of all the bucket's rows; the caller reads the first T. Other steps run eager.
+to no request (padding requests have query_len 0), and the graph computes the model forward of
+all the bucket's rows up to the final norm; the lm_head then runs eagerly on the first T rows
+(under capture cuBLAS chose a 6x slower lm_head kernel at 256 rows on an H200, and eagerly the
+padding rows cost nothing). Other steps run eager.
 
 The graph key is the number of rows, not requests x k: the layout is flat (DESIGN.md), so a
 bucket of 24 rows serves 24 decodes or 6 requests verifying 3 drafts alike.
@@ -146,7 +148,8 @@ class DecodeGraphs:
         max_rows_per_seq: int,  # 1 + k
         max_model_len: int,
         device: torch.device,
-        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,  # of the model's hidden states
         next_tokens: torch.Tensor,  # [slots] int64, the runner's device-resident sampled tokens
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
@@ -170,7 +173,10 @@ class DecodeGraphs:
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._bt = torch.zeros(layouts[-1].reqs, self.width, dtype=torch.int32, device=device)
-        self._logits = torch.zeros(self.sizes[-1], vocab_size, device=device)  # [Tmax, V] fp32
+        # The graphs end at the final norm: the lm_head runs eagerly on the step's T rows (cuBLAS
+        # picked a 6x slower kernel for it under capture on an H200 at 256 rows; eagerly it
+        # also skips the padding rows).
+        self._hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype, device=device)
         # set once the H2D copy that reads each pinned staging buffer has run
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._buckets = []
@@ -193,7 +199,7 @@ class DecodeGraphs:
             self._fill_padding(b)
 
             def run(b: _Bucket = b) -> None:
-                self._logits[: b.rows].copy_(self._forward_bucket(b))
+                self._hidden[: b.rows].copy_(self._forward_bucket(b))
 
             b.replay = backend.capture(run)
         # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
@@ -212,7 +218,7 @@ class DecodeGraphs:
         b.cu_query_lens.zero_()
         b.context_lens.zero_()
 
-    def _forward_bucket(self, b: _Bucket) -> torch.Tensor:  # [Tb, V] fp32
+    def _forward_bucket(self, b: _Bucket) -> torch.Tensor:  # [Tb, hidden]
         ctx = ForwardContext(
             query_lens=b.query_lens,
             cu_query_lens=b.cu_query_lens,
@@ -223,8 +229,7 @@ class DecodeGraphs:
             max_context_len=self.max_context_len,
         )
         ids = torch.where(b.pending > 0, self.next_tokens[b.pending], b.ids)
-        hidden = self.model(ids, b.positions, self.kv_caches, ctx)
-        return self.model.compute_logits(hidden)
+        return self.model(ids, b.positions, self.kv_caches, ctx)
 
     # -- one step -----------------------------------------------------------------------------
     def prepare(
@@ -271,8 +276,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, step: BucketStep) -> torch.Tensor:  # [T, V] fp32
         """Copy the step into the static buffers, replay its bucket's graph (or run the bucket
-        eagerly) and return the logits of its T rows. The result is a view of a buffer the next
-        replay overwrites: consume it before the next step (the engine does)."""
+        eagerly) and return the logits of its T rows."""
         b = step.bucket
         n = step.packed.nbytes
         host = self._host[self._turn]
@@ -292,6 +296,8 @@ class DecodeGraphs:
             self.num_replays += 1
             if step.num_rows > step.num_reqs:
                 self.num_verify_replays += 1
-            return self._logits[: step.num_rows]
-        self.num_eager_runs += 1
-        return self._forward_bucket(b)[: step.num_rows]
+            hidden = self._hidden[: step.num_rows]
+        else:
+            self.num_eager_runs += 1
+            hidden = self._forward_bucket(b)[: step.num_rows]
+        return self.model.compute_logits(hidden)

@@ -61,6 +61,7 @@ class ModelRunner:
         # before the host has seen it.
         self.next_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -88,7 +89,6 @@ class ModelRunner:
         (tests drive the layout on CPU with a fake one)."""
         if backend is None and not use_triton(self.device):
             return
-        vocab = self.model.config.vocab_size
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -97,7 +97,8 @@ class ModelRunner:
             max_rows_per_seq,
             max_model_len,
             self.device,
-            vocab,
+            self.model.config.hidden_size,
+            self.dtype,
             self.next_tokens,
         )
         if capture:

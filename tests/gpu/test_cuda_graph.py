@@ -35,7 +35,7 @@ class EchoModel(torch.nn.Module):
 
     def __init__(self, vocab: int = 8) -> None:
         super().__init__()
-        self.config = SimpleNamespace(vocab_size=vocab)
+        self.config = SimpleNamespace(vocab_size=vocab, hidden_size=5)
         self.ctxs: list = []
 
     def forward(self, ids, positions, kv_caches, ctx):
