@@ -26,6 +26,7 @@ CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
 # acceptance estimates only learn from steps that run, so a pessimistic start (a curve measured on
 # a busy machine, the prior confidences) would otherwise never be corrected
 EXPLORE_EVERY = 16
+EXPLORE_MIN_ROWS = 8
 
 
 class VerifyBudgetPolicy:
@@ -148,8 +149,11 @@ class VerifyBudgetPolicy:
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
-            room = max(0, self.max_rows - base)
-            keep = [min(len(d), room) for d in drafts]  # the scheduler trims to the budget too
+            # a few rows past the choice (the next-best survivals, up to a quarter of the step
+            # more): enough to correct the curve and the confidences near where the choice
+            # sits, cheap even at high load (all drafts of 256 requests would be a 5x step)
+            room = max(0, self.max_rows - base - sum(keep))
+            keep = _extend(usable, keep, min(room, max(EXPLORE_MIN_ROWS, base // 4)))
             choice = choice._replace(
                 expected_tokens=len(ready)
                 + sum(sum(survivals(c[:m])) for c, m in zip(usable, keep))
@@ -174,6 +178,19 @@ class VerifyBudgetPolicy:
         usable = [last[i % len(last)] for i in range(num_ready)]
         choice = self._choose(usable, num_ready, self._base_rows(num_ready))
         return not any(choice.num_verify)
+
+
+def _extend(confs: list[list[float]], keep: list[int], extra: int) -> list[int]:
+    """keep plus the `extra` best further drafts by survival (still a prefix per request)."""
+    items = []
+    for i, c in enumerate(confs):
+        a = survivals(c)
+        items += [(a[j], j, i) for j in range(keep[i], len(c))]
+    items.sort(key=lambda x: (-x[0], x[1]))
+    out = list(keep)
+    for _a, _j, i in items[:extra]:
+        out[i] += 1
+    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -4,11 +4,14 @@ steps per bucket). Used by the verify budget to turn a candidate number of rows 
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 
 class StepCostCurve:
@@ -18,6 +21,10 @@ class StepCostCurve:
         # buckets that have seen a real step: their start-up (or cached) samples are dropped then,
         # since a calibration run on a busy machine can be far off and would never be outvoted
         self._observed = [False] * len(self.buckets)
+        # per-bucket medians, refreshed only for the buckets a sample changed: the budget asks
+        # for the curve every step, and re-taking ~170 medians each time cost ~1 ms per step
+        self._medians: list[float | None] = [None] * len(self.buckets)
+        self._dirty: set[int] = set(range(len(self.buckets)))
         self._envelope: list[float] | None = None
 
     # -- measurement ----------------------------------------------------------------------------
@@ -27,6 +34,7 @@ class StepCostCurve:
             run(b)  # warm-up: first touch of buffers and kernels for this size
             for _ in range(reps):
                 self._samples[i].append(run(b))
+            self._dirty.add(i)
         self._envelope = None
 
     def record(self, rows: int, seconds: float) -> None:
@@ -42,6 +50,7 @@ class StepCostCurve:
             self._observed[i] = True
             self._samples[i].clear()
         self._samples[i].append(seconds)
+        self._dirty.add(i)
         self._envelope = None
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -57,32 +66,64 @@ class StepCostCurve:
         w = (rows - lo) / (hi - lo)
         return env[i - 1] * (1 - w) + env[i] * w
 
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        """self(r) for every r of an int array, with the same float arithmetic."""
+        env = np.asarray(self._curve())
+        bs = np.asarray(self.buckets)
+        r = rows.astype(np.float64)
+        i = np.clip(np.searchsorted(bs, rows, side="left"), 1, len(bs) - 1)
+        lo, hi = bs[i - 1], bs[i]
+        w = (r - lo) / np.maximum(hi - lo, 1)
+        out = env[i - 1] * (1 - w) + env[i] * w
+        out = np.where(rows <= bs[0], env[0], out)
+        return np.where(rows >= bs[-1], env[-1] * r / bs[-1], out)
+
     def _curve(self) -> list[float]:
         if self._envelope is None:
-            med = [statistics.median(s) if s else None for s in self._samples]
-            # buckets never measured borrow a neighbour, scaled by rows (a rough linear guess)
-            known = [(b, m) for b, m in zip(self.buckets, med) if m is not None]
-
-            def guess(b: int) -> float:
-                if not known:
-                    return float(b)
-                nb, nm = min(known, key=lambda k: abs(k[0] - b))
-                return nm * b / nb
-
-            med = [m if m is not None else guess(b) for b, m in zip(self.buckets, med)]
+            for i in self._dirty:
+                s = self._samples[i]
+                self._medians[i] = statistics.median(s) if s else None
+            self._dirty.clear()
+            med = list(self._medians)
+            # buckets never measured borrow the nearest measured neighbour, scaled by rows (a
+            # rough linear guess): one pass each way finds the nearest known bucket
+            if any(m is None for m in med):
+                med = self._fill_unknown(med)
             # padding T rows up to a larger bucket is always possible, so cost(T) is at most any
             # larger bucket's: the non-increasing-from-the-right envelope (keeps cost monotone)
-            env = list(med)
+            env = med
             for i in range(len(env) - 2, -1, -1):
                 env[i] = min(env[i], env[i + 1])
             self._envelope = env
         return self._envelope
 
+    def _fill_unknown(self, med: list[float | None]) -> list[float]:
+        bs, n = self.buckets, len(self.buckets)
+        left: list[int | None] = [None] * n
+        right: list[int | None] = [None] * n
+        last = None
+        for i in range(n):
+            last = i if med[i] is not None else last
+            left[i] = last
+        last = None
+        for i in range(n - 1, -1, -1):
+            last = i if med[i] is not None else last
+            right[i] = last
+        out = []
+        for i, m in enumerate(med):
+            if m is not None:
+                out.append(m)
+                continue
+            near = [j for j in (left[i], right[i]) if j is not None]
+            if not near:
+                out.append(float(bs[i]))
+                continue
+            j = min(near, key=lambda j: abs(bs[j] - bs[i]))
+            out.append(med[j] * bs[i] / bs[j])
+        return out
+
     def _bucket_at_or_above(self, rows: int) -> int:
-        for i, b in enumerate(self.buckets):
-            if b >= rows:
-                return i
-        return len(self.buckets) - 1
+        return min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)
 
     def points(self) -> list[tuple[int, float]]:
         return list(zip(self.buckets, self._curve()))

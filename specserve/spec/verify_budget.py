@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 
 class BudgetChoice(NamedTuple):
     num_verify: list[int]  # m_i: drafts request i verifies (a prefix of its drafts)
@@ -36,15 +38,15 @@ def survivals(confidences: Sequence[float]) -> list[float]:
     return out
 
 
-def choose_verify_budget(
+SMALL = 64  # candidates up to which the plain loop beats numpy's per-call overhead
+
+
+def _choose_loop(
     confidences: Sequence[Sequence[float]],
     base_rows: int,
     step_time: Callable[[int], float],
     max_rows: int,
 ) -> BudgetChoice:
-    """confidences[i][j]: confidence of draft j of decode request i (the drafts it could verify).
-    base_rows: rows the step runs anyway (1 per decode request + prefill chunk rows).
-    max_rows: the step's token budget; drafts beyond it are never chosen."""
     n_req = len(confidences)
     items = []  # (survival, position, request)
     for i, conf in enumerate(confidences):
@@ -68,3 +70,45 @@ def choose_verify_budget(
     for _a, _j, i in items[:best_m]:
         num_verify[i] += 1
     return BudgetChoice(num_verify, best_tokens, base_rows + best_m, best_time)
+
+
+def choose_verify_budget(
+    confidences: Sequence[Sequence[float]],
+    base_rows: int,
+    step_time: Callable[[int], float],
+    max_rows: int,
+) -> BudgetChoice:
+    """confidences[i][j]: confidence of draft j of decode request i (the drafts it could verify).
+    base_rows: rows the step runs anyway (1 per decode request + prefill chunk rows).
+    max_rows: the step's token budget; drafts beyond it are never chosen.
+
+    It runs every step: a Python loop for a few candidates, numpy for many (the same arithmetic
+    in the same order, so both give the same choice)."""
+    if sum(len(c) for c in confidences) <= SMALL:
+        return _choose_loop(confidences, base_rows, step_time, max_rows)
+    n_req = len(confidences)
+    width = max((len(c) for c in confidences), default=0)
+    if width == 0:
+        return BudgetChoice([0] * n_req, float(n_req), base_rows, step_time(base_rows))
+    conf = np.full((n_req, width), -1.0)
+    for i, c in enumerate(confidences):
+        conf[i, : len(c)] = c
+    present = conf >= 0.0
+    surv = np.cumprod(np.clip(conf, 0.0, 1.0), axis=1)  # [n_req, width] survivals
+    keep = present & (surv > 0.0)  # a zero survival: that draft and all later ones are out
+    req, pos = np.nonzero(keep)
+    a = surv[req, pos]
+    # largest survival first; ties to the earlier position (a request's choice stays a
+    # prefix), then to the earlier request
+    order = np.lexsort((req, pos, -a))
+    a, req = a[order], req[order]
+    cap = max(0, min(len(a), max_rows - base_rows))
+    tokens = np.cumsum(np.concatenate(([float(n_req)], a[:cap])))  # [cap + 1], summed in order
+    rows = base_rows + np.arange(cap + 1)
+    many = getattr(step_time, "many", None)
+    times = many(rows) if many is not None else np.array([step_time(int(r)) for r in rows])
+    with np.errstate(divide="ignore"):
+        rate = np.where(times > 0, tokens / np.where(times > 0, times, 1.0), np.inf)
+    best_m = int(np.flatnonzero(rate == rate.max())[-1])  # among equal rates verify more
+    num_verify = np.bincount(req[:best_m], minlength=n_req).tolist()
+    return BudgetChoice(num_verify, float(tokens[best_m]), base_rows + best_m, float(times[best_m]))

@@ -2,6 +2,7 @@ import collections
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -194,3 +195,81 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     assert not p.keeps_pausing()
     sched.running = [SimpleNamespace(num_uncomputed_tokens=40)] * 2  # only prefills: ask for real
     assert not p.keeps_pausing()
+
+
+def test_exploration_at_high_load_adds_a_quarter_of_the_step():
+    """Every EXPLORE_EVERY-th trim verifies the next-best drafts past the choice, up to a quarter
+    of the step's rows (not all drafts: at 256 requests x 4 that would be a 5x step)."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
+    p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
+    p.engine, p.max_rows = SimpleNamespace(scheduler=sched), 8192
+    p.curve = StepCostCurve([1, 64, 256, 512, 1280])
+    p.curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # rows are expensive: no drafts
+    p.plain, p.plain_chosen = None, 0
+    p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
+    p._draft_times = collections.deque(maxlen=32)
+    p._sync_overheads = collections.deque(maxlen=16)
+    ready = [object()] * 256
+    confs = [[0.5 + 0.1 * (i % 4)] * 4 for i in range(256)]  # four confidence groups
+    drafts = [[1, 2, 3, 4]] * 256
+    kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
+    assert all(sum(k) == 0 for k in kept[:-1])
+    explored = kept[-1]
+    assert sum(explored) == 256 // 4
+    # the best survivals first: the most confident group's first drafts (0.8, then 0.64 < 0.7)
+    assert all(m == (1 if i % 4 == 3 else 0) for i, m in enumerate(explored))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_step_cost_curve_incremental_medians_match_a_fresh_curve(seed):
+    """The curve re-takes only the medians of buckets that changed: after any sequence of
+    records it equals a curve built from the same samples at once."""
+    import random
+
+    rng = random.Random(seed)
+    buckets = sorted(rng.sample(range(1, 600), 12))
+    curve = StepCostCurve(buckets)
+    curve.calibrate(lambda rows: 0.001 * rows + rng.random() * 1e-4, reps=2)
+    for _ in range(200):
+        rows = rng.randint(1, 700)
+        curve.record(rows, 0.001 * rows * (1 + rng.random()))
+        if rng.random() < 0.3:
+            curve(rng.randint(1, 700))  # evaluations in between must not go stale
+    fresh = StepCostCurve(buckets)
+    for dq, s in zip(fresh._samples, curve._samples):
+        dq.extend(s)
+    assert curve.points() == fresh.points()
+    # the vectorised evaluation (the chooser's) is the scalar one, float for float
+    import numpy as np
+
+    rows = np.arange(0, 800)
+    assert curve.many(rows).tolist() == [curve(int(r)) for r in rows]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_chooser_equals_the_loop(seed):
+    """Past SMALL candidates the chooser runs in numpy: same choice as the Python loop, on random
+    confidences (zeros, ones, ties included) and a jagged measured curve."""
+    import random
+
+    from specserve.spec import verify_budget as vb
+
+    rng = random.Random(seed)
+    n = rng.randint(20, 300)
+    pick = [0.0, 0.5, 1.0, 0.25]
+    confs = [
+        [rng.choice(pick) if rng.random() < 0.3 else rng.random() for _ in range(rng.randint(0, 6))]
+        for _ in range(n)
+    ]
+    curve = StepCostCurve(sorted(rng.sample(range(1, 2000), 15)))
+    curve.calibrate(lambda rows: 0.01 + rows * 1e-5 * (1 + rng.random()), reps=2)
+    base = n + rng.randint(0, 100)
+    max_rows = base + rng.randint(0, 1500)
+    assert sum(len(c) for c in confs) > vb.SMALL
+    for step_time in (curve, lambda r: curve(r)):  # vectorised curve, and a plain callable
+        got = vb.choose_verify_budget(confs, base, step_time, max_rows)
+        assert got == vb._choose_loop(confs, base, step_time, max_rows)
