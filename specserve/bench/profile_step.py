@@ -6,7 +6,8 @@
 
 Default: a few steady decode steps, run eagerly (--enforce-eager semantics: the very kernels the
 graph replays, each visible to the profiler), kernels grouped by name with their launches per
-step and share of the step's device time. With --workload N: a whole offline run of N random
+step and share of the step's device time; --graphs profiles the graph replays as served
+(overlap on, --max-model-len sets the split-KV bound the graphs are captured with). With --workload N: a whole offline run of N random
 prompts with the engine's real settings (graphs, overlap), as `bench throughput` runs it, split
 into decode steps and the rest (prefill chunks) by device time, plus the kernels of the whole run.
 With --json, keeps it.
@@ -35,6 +36,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len-min", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="decode steps through the CUDA graphs (as served) instead of eagerly",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -137,10 +144,12 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(
         model=args.model,
+        dtype=args.dtype,
         max_num_seqs=max(args.batch, 2),
-        max_model_len=args.input_len + 64 + args.steps,
-        enforce_eager=True,
-        overlap=False,
+        # the attention's split-KV count follows max_model_len under graphs: pass the served one
+        max_model_len=args.max_model_len or args.input_len + 64 + args.steps,
+        enforce_eager=not args.graphs,
+        overlap=args.graphs,
         progress=False,
     )
     eng = llm.engine
