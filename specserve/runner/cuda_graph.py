@@ -22,6 +22,7 @@ bit-identical to the replay. Only CUDA uses buckets; the CPU path never sees the
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -121,6 +122,12 @@ class _Bucket:
     cu_query_lens: torch.Tensor  # [Bb + 1] int32, flat (= T) after the real requests
     context_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
     replay: Callable[[], None] | None = None
+    # With speculation (max_query_len > 1) a second graph for steps where no request verifies
+    # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
+    # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
+    # speculative engine (the verify budget pausing speculation at high load) costs what it costs
+    # in an engine without a drafter. Only buckets a decode step can fill (<= max_num_seqs rows).
+    decode_replay: Callable[[], None] | None = None
 
     @property
     def rows(self) -> int:
@@ -160,9 +167,11 @@ class DecodeGraphs:
         self.max_context_len = max_model_len + max_rows_per_seq
         self.width = -(-self.max_context_len // block_size) + 1  # W: block-table columns
         self.sizes = capture_sizes(max_num_seqs * max_rows_per_seq)
+        self.max_num_seqs = max_num_seqs
         self.use_graphs = True  # False: run the bucket layout eagerly (benchmarks, tests)
         self.num_replays = 0
         self.num_verify_replays = 0  # replays with some request verifying drafts
+        self.num_decode_variant_replays = 0  # plain decode steps through a decode-shaped graph
         self.num_eager_runs = 0
         layouts = [_Layout(t, min(t, max_num_seqs), self.width) for t in self.sizes]
         nbytes = max(lay.max_bytes for lay in layouts)
@@ -192,16 +201,19 @@ class DecodeGraphs:
     # -- capture ------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, backend: GraphBackend, progress: bool = True) -> None:
-        """One graph per bucket, largest first (the shared pool is sized by the first)."""
+        """One graph per bucket (two for buckets that also serve plain decode steps of a
+        speculative engine), largest first (the shared pool is sized by the first)."""
         for b in tqdm(
             self._buckets[::-1], desc="Capturing CUDA graphs", unit="graph", disable=not progress
         ):
             self._fill_padding(b)
 
-            def run(b: _Bucket = b) -> None:
-                self._hidden[: b.rows].copy_(self._forward_bucket(b))
+            def run(b: _Bucket = b, decode: bool = False) -> None:
+                self._hidden[: b.rows].copy_(self._forward_bucket(b, decode))
 
             b.replay = backend.capture(run)
+            if self._has_decode_variant(b):
+                b.decode_replay = backend.capture(functools.partial(run, b, True))
         # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
         # keeping the old one alive keeps their reads valid (same values at these positions).
         table = getattr(getattr(self.model, "rotary", None), "_table", None)
@@ -218,14 +230,17 @@ class DecodeGraphs:
         b.cu_query_lens.zero_()
         b.context_lens.zero_()
 
-    def _forward_bucket(self, b: _Bucket) -> torch.Tensor:  # [Tb, hidden]
+    def _has_decode_variant(self, b: _Bucket) -> bool:
+        return b.max_query_len > 1 and b.rows <= self.max_num_seqs
+
+    def _forward_bucket(self, b: _Bucket, decode: bool = False) -> torch.Tensor:  # [Tb, hidden]
         ctx = ForwardContext(
             query_lens=b.query_lens,
             cu_query_lens=b.cu_query_lens,
             context_lens=b.context_lens,
             block_tables=self._bt[: b.layout.reqs],
             slot_mapping=b.slots,
-            max_query_len=b.max_query_len,
+            max_query_len=1 if decode else b.max_query_len,
             max_context_len=self.max_context_len,
         )
         ids = torch.where(b.pending > 0, self.next_tokens[b.pending], b.ids)
@@ -291,13 +306,16 @@ class DecodeGraphs:
         nreq, w = step.num_reqs, step.width
         stage = self._dev[b.layout.bt_at : b.layout.bt_at + 4 * nreq * w].view(torch.int32)
         self._bt[:nreq, :w].copy_(stage.view(nreq, w))
+        # one row per request: a plain decode step (the eager twin takes the same variant)
+        decode = step.num_rows == step.num_reqs and self._has_decode_variant(b)
         if self.use_graphs and b.replay is not None:
-            b.replay()
+            (b.decode_replay if decode else b.replay)()
             self.num_replays += 1
+            self.num_decode_variant_replays += decode
             if step.num_rows > step.num_reqs:
                 self.num_verify_replays += 1
             hidden = self._hidden[: step.num_rows]
         else:
             self.num_eager_runs += 1
-            hidden = self._forward_bucket(b)[: step.num_rows]
+            hidden = self._forward_bucket(b, decode)[: step.num_rows]
         return self.model.compute_logits(hidden)

@@ -94,8 +94,10 @@ def test_capture_largest_first_all_padding() -> None:
     runner, model = _echo_runner()
     g = runner.graphs
     assert g.sizes == [1, 2, 4, 8, 16]
-    seen = [c.slot_mapping.shape[0] for c in model.ctxs]
-    assert seen == [16, 8, 4, 2, 1]  # largest bucket first
+    seen = [(c.slot_mapping.shape[0], c.max_query_len) for c in model.ctxs]
+    # largest bucket first; buckets a decode step can fill (<= 4 requests) get a second graph
+    # with decode-shaped attention (max_query_len 1)
+    assert seen == [(16, 4), (8, 4), (4, 4), (4, 1), (2, 2), (2, 1), (1, 1)]
     for c in model.ctxs:  # warm-up/capture: every row padding, no KV write
         assert (c.slot_mapping == -1).all() and (c.query_lens == 0).all()
         assert c.max_context_len == 64 + 4
@@ -106,8 +108,11 @@ def test_bucket_layout(seed: int) -> None:
     rng = random.Random(seed)
     runner, model = _echo_runner()
     nb = [1]
-    for _ in range(5):  # consecutive steps: nothing of a larger step may leak into a smaller
+    decodes = 0
+    for i in range(5):  # consecutive steps: nothing of a larger step may leak into a smaller
         qlens = [rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        if i == 4:
+            qlens = [1] * max(2, len(qlens))  # at least one decode-variant step
         rows, starts, tables = _batch(rng, qlens, nb)
         step = runner.prepare_rows(rows, starts, tables, qlens)
         assert isinstance(step, BucketStep)
@@ -117,7 +122,9 @@ def test_bucket_layout(seed: int) -> None:
         assert logits.shape == (t, 8)
         ctx = model.ctxs[-1]
         tb, b = step.bucket.rows, ctx.query_lens.shape[0]
-        assert b == min(tb, 4) and ctx.max_query_len == min(tb, 4)
+        decode = all(q == 1 for q in qlens) and 1 < tb <= 4  # the decode-shaped variant
+        assert b == min(tb, 4) and ctx.max_query_len == (1 if decode else min(tb, 4))
+        decodes += decode
         assert ctx.query_lens.tolist() == qlens + [0] * (b - len(qlens))
         assert ctx.cu_query_lens.tolist()[len(qlens) :] == [t] * (b + 1 - len(qlens))
         assert (ctx.slot_mapping[t:] == -1).all()
@@ -129,6 +136,7 @@ def test_bucket_layout(seed: int) -> None:
                 want.append([tok, p, slot, start + len(row), slot])
         assert logits[:, :5].tolist() == want
     assert runner.graphs.num_replays == 5 and runner.graphs.num_eager_runs == 0
+    assert runner.graphs.num_decode_variant_replays == decodes > 0
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["bucket", "eager"])
@@ -286,6 +294,9 @@ def test_engine_graphs_match_eager(
     assert gg.num_replays > 0 and gg.num_eager_runs == 0
     if spec is not None:
         assert gg.num_verify_replays > 0
+        # steps where nobody verifies drafts take the decode-shaped graph (and the eager twin
+        # the same attention tiles): outputs still identical
+        assert gg.num_decode_variant_replays > 0
     for i, (a, b) in enumerate(zip(eager, graphed)):
         same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert same is None, f"request {i}: first difference at token {same}"
