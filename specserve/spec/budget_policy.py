@@ -43,7 +43,7 @@ class VerifyBudgetPolicy:
         # between consecutive readbacks, which is what such a step costs in steady state).
         self.plain: StepCostCurve | None = None
         if engine.overlap_when_paused:
-            self.plain = StepCostCurve(self.curve.buckets)
+            self.plain = StepCostCurve(self.curve.buckets, padded=self.curve.padded)
             self.plain.calibrate(self.curve, reps=1)
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
@@ -67,9 +67,11 @@ class VerifyBudgetPolicy:
 
     def _load_or_calibrate(self, buckets: list[int], root: Path | None) -> StepCostCurve:
         path = self._cache_path(root, buckets)
-        curve = StepCostCurve.load(path, buckets) if path is not None else None
+        # decode/verify steps up to the largest bucket run padded to their bucket on CUDA
+        padded = self.engine.runner.graphs is not None
+        curve = StepCostCurve.load(path, buckets, padded) if path is not None else None
         if curve is None:
-            curve = StepCostCurve(buckets)
+            curve = StepCostCurve(buckets, padded=padded)
             curve.calibrate(self._synthetic_step, reps=2)
             if path is not None:
                 curve.save(path)

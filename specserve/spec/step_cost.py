@@ -15,8 +15,12 @@ import numpy as np
 
 
 class StepCostCurve:
-    def __init__(self, buckets: list[int], window: int = 32) -> None:
+    def __init__(self, buckets: list[int], window: int = 32, padded: bool = False) -> None:
         self.buckets = sorted(set(buckets))
+        # padded: steps of up to the largest bucket run padded to their bucket (CUDA graphs and
+        # their eager twin), so the cost is a step function - a row that stays inside its
+        # bucket costs nothing. Otherwise (CPU: exact rows) linear between buckets.
+        self.padded = padded
         self._samples: list[deque[float]] = [deque(maxlen=window) for _ in self.buckets]
         # buckets that have seen a real step: their start-up (or cached) samples are dropped then,
         # since a calibration run on a busy machine can be far off and would never be outvoted
@@ -62,6 +66,8 @@ class StepCostCurve:
         if rows >= bs[-1]:
             return env[-1] * rows / bs[-1]
         i = self._bucket_at_or_above(rows)
+        if self.padded:
+            return env[i]
         lo, hi = bs[i - 1], bs[i]
         w = (rows - lo) / (hi - lo)
         return env[i - 1] * (1 - w) + env[i] * w
@@ -74,7 +80,7 @@ class StepCostCurve:
         i = np.clip(np.searchsorted(bs, rows, side="left"), 1, len(bs) - 1)
         lo, hi = bs[i - 1], bs[i]
         w = (r - lo) / np.maximum(hi - lo, 1)
-        out = env[i - 1] * (1 - w) + env[i] * w
+        out = env[i] if self.padded else env[i - 1] * (1 - w) + env[i] * w
         out = np.where(rows <= bs[0], env[0], out)
         return np.where(rows >= bs[-1], env[-1] * r / bs[-1], out)
 
@@ -136,14 +142,14 @@ class StepCostCurve:
         )
 
     @classmethod
-    def load(cls, path: Path, buckets: list[int]) -> StepCostCurve | None:
+    def load(cls, path: Path, buckets: list[int], padded: bool = False) -> StepCostCurve | None:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
         if data.get("buckets") != sorted(set(buckets)):
             return None
-        curve = cls(buckets)
+        curve = cls(buckets, padded=padded)
         for dq, s in zip(curve._samples, data["samples"]):
             dq.extend(s)
         return curve

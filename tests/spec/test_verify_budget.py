@@ -224,22 +224,23 @@ def test_exploration_at_high_load_adds_a_quarter_of_the_step():
     assert all(m == (1 if i % 4 == 3 else 0) for i, m in enumerate(explored))
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_step_cost_curve_incremental_medians_match_a_fresh_curve(seed):
+def test_step_cost_curve_incremental_medians_match_a_fresh_curve(seed, padded):
     """The curve re-takes only the medians of buckets that changed: after any sequence of
     records it equals a curve built from the same samples at once."""
     import random
 
     rng = random.Random(seed)
     buckets = sorted(rng.sample(range(1, 600), 12))
-    curve = StepCostCurve(buckets)
+    curve = StepCostCurve(buckets, padded=padded)
     curve.calibrate(lambda rows: 0.001 * rows + rng.random() * 1e-4, reps=2)
     for _ in range(200):
         rows = rng.randint(1, 700)
         curve.record(rows, 0.001 * rows * (1 + rng.random()))
         if rng.random() < 0.3:
             curve(rng.randint(1, 700))  # evaluations in between must not go stale
-    fresh = StepCostCurve(buckets)
+    fresh = StepCostCurve(buckets, padded=padded)
     for dq, s in zip(fresh._samples, curve._samples):
         dq.extend(s)
     assert curve.points() == fresh.points()
@@ -273,3 +274,25 @@ def test_vectorised_chooser_equals_the_loop(seed):
     for step_time in (curve, lambda r: curve(r)):  # vectorised curve, and a plain callable
         got = vb.choose_verify_budget(confs, base, step_time, max_rows)
         assert got == vb._choose_loop(confs, base, step_time, max_rows)
+
+
+def test_padded_curve_is_a_step_function_and_the_chooser_fills_buckets():
+    """With CUDA graphs a step of T rows runs padded to its bucket: T rows cost the bucket's
+    time, so a draft row inside an already-paid bucket is free and the first row past a bucket
+    costs the whole next one. Linear pricing gets both wrong."""
+    costs = {4: 1.0, 8: 1.3, 16: 2.5}
+    curve = StepCostCurve(list(costs), padded=True)
+    curve.calibrate(costs.__getitem__, reps=1)
+    assert [curve(r) for r in (1, 4, 5, 7, 8, 9, 16)] == [1.0, 1.0, 1.3, 1.3, 1.3, 2.5, 2.5]
+    linear = StepCostCurve(list(costs))
+    linear.calibrate(costs.__getitem__, reps=1)
+    assert linear(6) == pytest.approx(1.15)
+    # 4 decode requests, one draft each: base 4 rows (bucket 4), any draft needs bucket 8
+    steep = [[0.6], [0.3], [0.1], [0.05]]
+    assert choose_verify_budget(steep, 4, linear, 64).num_verify == [1, 0, 0, 0]
+    # ...which really costs bucket 8: 4.6 tokens / 1.3 < 4 / 1.0. Padded pricing declines.
+    assert choose_verify_budget(steep, 4, curve, 64).num_verify == [0, 0, 0, 0]
+    # once bucket 8 is worth paying, every draft that fits it rides along for free
+    flat = [[0.6], [0.3], [0.25], [0.25]]
+    assert choose_verify_budget(flat, 4, linear, 64).num_verify == [1, 0, 0, 0]
+    assert choose_verify_budget(flat, 4, curve, 64).num_verify == [1, 1, 1, 1]
