@@ -164,47 +164,82 @@ def _warm_up(llm, requests: list[tuple[list[int], Any]], concurrency: int) -> No
     _closed_loop(llm, short, concurrency)
 
 
+def _counters(llm) -> tuple[int, int, int]:
+    m = llm.get_metrics()
+    return m["spec_drafts"], m["spec_accepted_tokens"], _verify_rows(llm)
+
+
+def _point(
+    mode: str,
+    c: int,
+    requests: list,
+    runs: list[LoopResult],
+    before: tuple[int, int, int],
+    after: tuple[int, int, int],
+) -> SweepPoint:
+    """One (mode, concurrency) point from its timed runs: the median run, with acceptance and
+    verify rows over all of them."""
+    res = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    drafts, acc, rows = (a - b for a, b in zip(after, before))
+    point = SweepPoint(
+        mode,
+        c,
+        len(requests),
+        res.tokens,
+        res.seconds,
+        1.0 + acc / drafts if drafts else 1.0,
+        rows / max(sum(r.steps for r in runs), 1),
+        res.steps,
+        digest(res.outputs),
+        [r.tokens / r.seconds for r in runs],
+    )
+    print(
+        f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
+        f"{point.mean_acceptance_length:.2f}  draft rows/step "
+        f"{point.verify_rows_per_step:.1f}  steps {point.steps}",
+        flush=True,
+    )
+    return point
+
+
+def _requests_for(args: argparse.Namespace, llm, c: int, cache: dict) -> list:
+    if c not in cache:
+        cache[c] = _build_requests(args, llm, max(c * args.requests_per_slot, args.min_requests), c)
+    return cache[c]
+
+
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(x) for x in args.concurrency.split(",")]
     points: list[SweepPoint] = []
     request_sets: dict[int, list[tuple[list[int], Any]]] = {}
-    for mode in MODES:
-        llm = _engine(args, mode, max(levels))
+    if args.interleave:
+        # all three engines alive at once; each repeat runs off, fixed, auto back to back, so a
+        # drift of the machine (clocks, neighbours) hits every mode alike
+        engines = {mode: _engine(args, mode, max(levels)) for mode in MODES}
         for c in levels:
-            if c not in request_sets:
-                n = max(c * args.requests_per_slot, args.min_requests)
-                request_sets[c] = _build_requests(args, llm, n, c)
-            requests = request_sets[c]
-            _warm_up(llm, requests, c)
-            before = llm.get_metrics()
-            rows_before = _verify_rows(llm)
-            runs = [_closed_loop(llm, requests, c) for _ in range(args.repeats)]
-            res = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]  # the median run
-            after = llm.get_metrics()
-            drafts = after["spec_drafts"] - before["spec_drafts"]
-            acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-            steps = sum(r.steps for r in runs)
-            point = SweepPoint(
-                mode,
-                c,
-                len(requests),
-                res.tokens,
-                res.seconds,
-                1.0 + acc / drafts if drafts else 1.0,
-                (_verify_rows(llm) - rows_before) / max(steps, 1),
-                res.steps,
-                digest(res.outputs),
-                [r.tokens / r.seconds for r in runs],
-            )
-            points.append(point)
-            print(
-                f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
-                f"{point.mean_acceptance_length:.2f}  draft rows/step "
-                f"{point.verify_rows_per_step:.1f}  steps {point.steps}",
-                flush=True,
-            )
-        del llm
-        free_memory()  # before the next mode's engine sizes its KV cache from free memory
+            requests = _requests_for(args, engines["off"], c, request_sets)
+            for llm in engines.values():
+                _warm_up(llm, requests, c)
+            before = {m: _counters(llm) for m, llm in engines.items()}
+            runs: dict[str, list[LoopResult]] = {m: [] for m in MODES}
+            for _ in range(args.repeats):
+                for m, llm in engines.items():
+                    runs[m].append(_closed_loop(llm, requests, c))
+            for m, llm in engines.items():
+                points.append(_point(m, c, requests, runs[m], before[m], _counters(llm)))
+        del engines
+        free_memory()
+    else:
+        for mode in MODES:
+            llm = _engine(args, mode, max(levels))
+            for c in levels:
+                requests = _requests_for(args, llm, c, request_sets)
+                _warm_up(llm, requests, c)
+                before = _counters(llm)
+                loops = [_closed_loop(llm, requests, c) for _ in range(args.repeats)]
+                points.append(_point(mode, c, requests, loops, before, _counters(llm)))
+            del llm
+            free_memory()  # before the next mode's engine sizes its KV cache from free memory
     report = {
         "benchmark": "spec-sweep",
         "timestamp": timestamp(),
@@ -323,6 +358,12 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
         "--repeats", type=int, default=1, help="timed runs per point; the median one is reported"
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep the three engines alive and alternate them within each repeat (needs "
+        "memory for three; pass --kv-cache-gb on GPU)",
     )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")

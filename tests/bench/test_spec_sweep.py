@@ -36,6 +36,7 @@ def test_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
         min_requests=2,
         max_tokens=6,
         repeats=1,
+        interleave=False,
         dtype="float32",
         device="cpu",
         seed=0,
@@ -64,6 +65,7 @@ def _golden_args(tmp_path, **kw) -> argparse.Namespace:
         min_requests=2,
         max_tokens=7,  # 1 from the prefill + two verify steps of k + 1
         repeats=1,
+        interleave=False,
         dtype="float32",
         device="cpu",
         max_model_len=64,
@@ -76,7 +78,7 @@ def _golden_args(tmp_path, **kw) -> argparse.Namespace:
 
 @pytest.mark.usefixtures("single_thread")
 def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
-    report = run_sweep(_golden_args(tmp_path, repeats=2))
+    report = run_sweep(_golden_args(tmp_path, repeats=2, interleave=True))
     pts = {(p["mode"], p["concurrency"]): p for p in report["points"]}
     assert all(len(p["repeats_tok_s"]) == 2 for p in pts.values())
     assert all(p["output_tokens"] == p["requests"] * 7 for p in pts.values())
