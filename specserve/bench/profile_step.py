@@ -42,6 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="decode steps through the CUDA graphs (as served) instead of eagerly",
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--ops", action="store_true", help="--workload: also eager ops with shapes")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -100,9 +101,18 @@ def run_workload(args: argparse.Namespace) -> int:
     for name, s in (("decode", decode), ("other", other)):
         print(f"  {name:6s} steps {s.num_steps:4d}: device busy {s.busy_ms:8.1f} ms "
               f"({s.busy_ms / max(1, s.num_steps):.2f} ms/step), idle {s.idle_ms:.1f} ms")  # fmt: skip
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops else [])
+    with profile(activities=acts, record_shapes=args.ops) as prof:
         llm.generate(prompts, sp, use_tqdm=False)
         torch.cuda.synchronize()
+    if args.ops:
+        # eager ops (graph replays hide theirs) by device time, with their input shapes
+        ops = prof.key_averages(group_by_input_shape=True)
+        ops = sorted(ops, key=lambda e: getattr(e, "device_time_total", 0), reverse=True)
+        print("eager ops by device time (shapes):")
+        for e in ops[:12]:
+            print(f"{e.device_time_total / 1e3:9.1f} ms x{e.count:6d}  {e.key[:40]:40s} "
+                  f"{str(e.input_shapes)[:90]}")  # fmt: skip
     totals, counts = _kernel_totals(prof)
     total = sum(totals.values())
     rows = sorted(totals, key=totals.get, reverse=True)
