@@ -464,8 +464,12 @@ class LLMEngine:
             if self.overlap_when_paused:
                 # The budget wants no speculation at this load: run the next steps as plain
                 # overlapped decoding (host work hidden), then draft and ask the budget again.
-                # Any draft kept ends the pause: drafts need the synchronous path.
-                pause = not any(keep)
+                # Any draft kept ends the pause: drafts need the synchronous path. Only a
+                # verdict on the load pauses: not a step where no request had room to draft
+                # (requests at their last token), nor one the budget priced with prefill
+                # chunks in it (a one-step condition; the pause would outlive it).
+                decode_only = self.budget.base_rows(len(ready)) == len(ready)
+                pause = any(limits) and decode_only and not any(keep)
                 self._paused_until = self.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
                 self._stale_pauses = 0
         for s, (d, conf) in zip(ready, proposals):

@@ -116,7 +116,7 @@ class VerifyBudgetPolicy:
             self.plain.record(rows, seconds)
 
     # -- the choice -----------------------------------------------------------------------------
-    def _base_rows(self, num_ready: int) -> int:
+    def base_rows(self, num_ready: int) -> int:
         """Rows the next step runs anyway: one per decode request + the prefill chunks it admits."""
         sched = self.engine.scheduler
         prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
@@ -144,7 +144,7 @@ class VerifyBudgetPolicy:
         self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]
     ) -> list[int]:
         """How many drafts each ready request verifies next step."""
-        base = self._base_rows(len(ready))
+        base = self.base_rows(len(ready))
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         self._last_round = [c for c in usable if c]
         choice = self._choose(usable, len(ready), base)
@@ -178,7 +178,7 @@ class VerifyBudgetPolicy:
         if not last or num_ready == 0:
             return False
         usable = [last[i % len(last)] for i in range(num_ready)]
-        choice = self._choose(usable, num_ready, self._base_rows(num_ready))
+        choice = self._choose(usable, num_ready, self.base_rows(num_ready))
         return not any(choice.num_verify)
 
 

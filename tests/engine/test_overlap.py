@@ -204,6 +204,27 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     assert kinds.count(False) <= len(trims) + 2  # prefill + one synchronous step per real trim
 
 
+def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
+    """A step where no request has room to draft (each at its last token) is no verdict on the
+    load: the engine must not pause speculation for the requests that come next. Golden drafts
+    exist at every other step and the budget keeps them all, so no step may run overlapped."""
+    golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
+    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
+    eng = llm.engine
+    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
+    kinds = []
+    real_launch = eng._launch
+    monkeypatch.setattr(
+        eng, "_launch", lambda batch, overlap: kinds.append(overlap) or real_launch(batch, overlap)
+    )
+    for i, prompt in enumerate(prompts_of([9, 14, 6])):  # one request after another
+        gold = [(31 * i + 7 * j) % 400 + 3 for j in range(12)]
+        sp = SamplingParams(max_tokens=12, temperature=0.0, golden_token_ids=gold)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == gold
+    assert len(kinds) >= 9 and not any(kinds)
+
+
 def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     """The budget prices a speculative step as launch-to-readback (its curve) plus the host work
     a synchronous step adds before the next one starts (ledger, drafting, the caller): the
