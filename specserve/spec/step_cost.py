@@ -25,6 +25,13 @@ class StepCostCurve:
         # buckets that have seen a real step: their start-up (or cached) samples are dropped then,
         # since a calibration run on a busy machine can be far off and would never be outvoted
         self._observed = [False] * len(self.buckets)
+        # the start-up median of each bucket once observed. Buckets not yet observed are priced
+        # optimistically: at most their start-up value scaled by the real/start-up ratio of the
+        # nearest observed bucket (start-up steps are 1 row per synthetic request at a fixed
+        # context, real ones are not). Optimism, because a bucket priced too high is never
+        # chosen, so never measured, so never corrected; one priced too low gets chosen once and
+        # measured (the old rule, kept for ratios above 1).
+        self._calib: list[float | None] = [None] * len(self.buckets)
         # per-bucket medians, refreshed only for the buckets a sample changed: the budget asks
         # for the curve every step, and re-taking ~170 medians each time cost ~1 ms per step
         self._medians: list[float | None] = [None] * len(self.buckets)
@@ -52,6 +59,8 @@ class StepCostCurve:
             seconds *= self(b) / max(self(rows), 1e-12)
         if not self._observed[i]:
             self._observed[i] = True
+            if self._samples[i]:
+                self._calib[i] = statistics.median(self._samples[i])
             self._samples[i].clear()
         self._samples[i].append(seconds)
         self._dirty.add(i)
@@ -91,8 +100,15 @@ class StepCostCurve:
                 self._medians[i] = statistics.median(s) if s else None
             self._dirty.clear()
             med = list(self._medians)
+            ref = [o and c is not None for o, c in zip(self._observed, self._calib)]
+            if any(ref):
+                near = self._nearest(ref)
+                for i, m in enumerate(med):
+                    j = near[i]
+                    if m is not None and not self._observed[i] and j is not None:
+                        med[i] = m * min(1.0, med[j] / self._calib[j])
             # buckets never measured borrow the nearest measured neighbour, scaled by rows (a
-            # rough linear guess): one pass each way finds the nearest known bucket
+            # rough linear guess)
             if any(m is None for m in med):
                 med = self._fill_unknown(med)
             # padding T rows up to a larger bucket is always possible, so cost(T) is at most any
@@ -103,29 +119,38 @@ class StepCostCurve:
             self._envelope = env
         return self._envelope
 
-    def _fill_unknown(self, med: list[float | None]) -> list[float]:
+    def _nearest(self, flags: list[bool]) -> list[int | None]:
+        """For each bucket, the nearest flagged bucket by rows (ties: the smaller), or None:
+        one pass each way."""
         bs, n = self.buckets, len(self.buckets)
         left: list[int | None] = [None] * n
         right: list[int | None] = [None] * n
         last = None
         for i in range(n):
-            last = i if med[i] is not None else last
+            last = i if flags[i] else last
             left[i] = last
         last = None
         for i in range(n - 1, -1, -1):
-            last = i if med[i] is not None else last
+            last = i if flags[i] else last
             right[i] = last
+        out: list[int | None] = []
+        for i in range(n):
+            cands = [j for j in (left[i], right[i]) if j is not None]
+            out.append(min(cands, key=lambda j: abs(bs[j] - bs[i])) if cands else None)
+        return out
+
+    def _fill_unknown(self, med: list[float | None]) -> list[float]:
+        bs = self.buckets
+        near = self._nearest([m is not None for m in med])
         out = []
         for i, m in enumerate(med):
+            j = near[i]
             if m is not None:
                 out.append(m)
-                continue
-            near = [j for j in (left[i], right[i]) if j is not None]
-            if not near:
+            elif j is None:
                 out.append(float(bs[i]))
-                continue
-            j = min(near, key=lambda j: abs(bs[j] - bs[i]))
-            out.append(med[j] * bs[i] / bs[j])
+            else:
+                out.append(med[j] * bs[i] / bs[j])
         return out
 
     def _bucket_at_or_above(self, rows: int) -> int:

@@ -88,6 +88,9 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
     assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
     for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
         policy.curve.record(4, 1.05)
+    # (unobserved bucket 1 is now priced optimistically, scaled like bucket 4: a plain step runs
+    # once and shows its real cost)
+    policy.curve.record(1, 1.0)
     assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
 
 
@@ -243,6 +246,7 @@ def test_step_cost_curve_incremental_medians_match_a_fresh_curve(seed, padded):
     fresh = StepCostCurve(buckets, padded=padded)
     for dq, s in zip(fresh._samples, curve._samples):
         dq.extend(s)
+    fresh._observed, fresh._calib = list(curve._observed), list(curve._calib)
     assert curve.points() == fresh.points()
     # the vectorised evaluation (the chooser's) is the scalar one, float for float
     import numpy as np
@@ -296,3 +300,31 @@ def test_padded_curve_is_a_step_function_and_the_chooser_fills_buckets():
     flat = [[0.6], [0.3], [0.25], [0.25]]
     assert choose_verify_budget(flat, 4, linear, 64).num_verify == [1, 0, 0, 0]
     assert choose_verify_budget(flat, 4, curve, 64).num_verify == [1, 1, 1, 1]
+
+
+def test_unobserved_buckets_follow_the_level_of_real_steps():
+    """Start-up steps give the curve's shape, real steps its level: once bucket 64 is observed
+    20 % cheaper than at start-up, the unobserved buckets near it are priced 20 % lower too (a
+    bucket the chooser avoids would otherwise keep its start-up price forever). Never higher:
+    a bucket priced too low gets chosen and measured anyway."""
+    curve = StepCostCurve([16, 32, 64, 80, 96])
+    curve.calibrate(lambda rows: 1.0 + rows / 100, reps=1)
+    before = dict(curve.points())
+    for _ in range(3):
+        curve.record(64, 0.8 * before[64])
+    after = dict(curve.points())
+    assert after[64] == pytest.approx(0.8 * before[64])
+    for b in (16, 32, 80, 96):
+        assert after[b] == pytest.approx(0.8 * before[b])
+    curve.record(16, before[16])  # a second observed bucket: each one scales its own side
+    after = dict(curve.points())
+    assert after[16] == pytest.approx(before[16])
+    # 32 is nearer to 16 (unscaled) than to 64; the envelope keeps it at most 64's price
+    assert after[32] == pytest.approx(min(before[32], after[64]))
+    assert after[96] == pytest.approx(0.8 * before[96])
+    curve.record(96, 3 * before[96])  # real steps dearer than start-up: neighbours stay put
+    assert dict(curve.points())[80] == pytest.approx(0.8 * before[80])  # nearer to 64 than 96
+    fresh = StepCostCurve([16, 32, 64])
+    fresh.calibrate(lambda rows: 1.0 + rows / 100, reps=1)
+    fresh.record(16, 2.0)
+    assert dict(fresh.points())[32] == pytest.approx(1.32)  # not scaled up
