@@ -26,15 +26,7 @@ from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
 from specserve.spec.slots import DraftSlotPool
-
-# Steps run without drafts (overlapped) once the verify budget picks none, before it is asked
-# again: long enough that the one synchronous step which re-drafts costs little, short enough to
-# notice the load falling.
-PAUSE_STEPS = 8
-# At the end of a pause the budget is first asked with the last drafting round's confidences (no
-# synchronous step needed); after this many such extensions in a row it drafts for real, so the
-# confidences it prices with are never more than (1 + this) pauses old.
-MAX_STALE_PAUSES = 7
+from specserve.spec.speculator import Speculator
 
 
 class _WorkerStep:
@@ -97,8 +89,6 @@ class LLMEngine:
         want = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
-        self._paused_until = 0  # steps before this id run without drafts, overlapped
-        self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
         # a synchronous decode step's (step() start, launch-to-readback): its host overhead
         self._sync_period: tuple[float, float] | None = None
         self._launch_to_readback: float | None = None
@@ -184,6 +174,7 @@ class LLMEngine:
             if spec is not None and spec.verify_budget == "auto"
             else None
         )
+        self.speculator = Speculator(self) if self.drafter is not None else None
 
     def _num_kv_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -338,19 +329,7 @@ class LLMEngine:
     def _overlap_now(self) -> bool:
         if self.overlap:
             return True
-        if not self.overlap_when_paused or not self._paused_until:
-            return False
-        nxt = self.scheduler.step_id + 1
-        if nxt < self._paused_until:
-            return True
-        # the pause is over: if the budget still wants plain decoding at this load (asked with
-        # the last drafting round's confidences), extend it without a synchronous step
-        if self._stale_pauses < MAX_STALE_PAUSES and self.budget.keeps_pausing():
-            self._stale_pauses += 1
-            self._paused_until = nxt + PAUSE_STEPS
-            return True
-        self._paused_until = 0
-        return False
+        return self.speculator is not None and self.speculator.paused(self.scheduler.step_id + 1)
 
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: a step with such a request waits for
@@ -368,7 +347,7 @@ class LLMEngine:
         if seqs:
             drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
             plan = self.sampler.plan(seqs, drafts)
-            draft_q = self._draft_q(seqs, drafts)
+            draft_q = self.speculator.draft_q(seqs, drafts) if self.speculator else None
         next_tokens = self.runner.next_tokens if overlap else None
 
         def device_part() -> SampledStep | None:
@@ -395,14 +374,8 @@ class LLMEngine:
         Outputs belong to out_step for the pool."""
         batch, seqs = launched.batch, launched.seqs
         host = launched.sampled.wait() if launched.sampled is not None else None
-        if self.drafter is not None and host is not None:
-            pool = self.slot_pool
-            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-            confs = [pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
-            host = host._replace(draft_confidences=confs)
-            for s, d, acc in zip(seqs, drafts, host.num_accepted):
-                if d:
-                    self.drafter.observe(s, len(d), acc)
+        if self.speculator is not None and host is not None:
+            host = self.speculator.observe(batch, seqs, host)
         if self.budget is not None:
             # Only decode/verify steps price the curves: the chooser prices such steps, and a
             # prefill chunk's rows cost far less per row (no per-row KV reads, big GEMMs), so
@@ -417,63 +390,9 @@ class LLMEngine:
                 self.budget.record_plain_step(batch.num_rows, now - self._last_readback)
             self._last_readback = now if launched.overlapped else None
         outputs = self.ledger.process_outputs(batch, host, out_step)
-        if self.drafter is not None and draft:
-            self._propose_drafts()
+        if self.speculator is not None and draft:
+            self.speculator.propose()
         return outputs
-
-    def _draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
-        """[total_q, V] draft distributions of the verify layout's rows (rows that verify
-        nothing get q = 0; they never read it), or None for one-hot drafters."""
-        if self.slot_pool is None or self.slot_pool.q is None or not any(drafts):
-            return None
-        v = self.model_config.vocab_size
-        parts = []
-        for s, d in zip(seqs, drafts):
-            if d:
-                parts.append(self.slot_pool.q_rows(s.slot, len(d)))
-            parts.append(torch.zeros(1, v, device=self.device))
-        return torch.cat(parts)
-
-    def _propose_drafts(self) -> None:
-        """Drafts for the next step, into each running request's slot. Only requests whose
-        prompt is fully computed draft (their next step is a decode/verify step)."""
-        pool = self.slot_pool
-        k = pool.k
-        ready = []
-        for s in self.scheduler.running:
-            pool.clear(s.slot)
-            if s.num_uncomputed_tokens == 1:
-                ready.append(s)
-        if not ready:
-            return
-        limits = []
-        for s in ready:
-            room = min(k, self.max_model_len - s.num_tokens)
-            if s.params.max_tokens is not None:
-                room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
-            limits.append(max(0, room))
-        t0 = time.perf_counter()
-        proposals = self.drafter.propose(ready, limits)
-        if self.budget is not None:
-            self.budget.record_draft_time(time.perf_counter() - t0)
-            # Confidences are this round's: the drafter ran just now on the step the ledger has
-            # just processed. Speculative steps are synchronous, so no older round is involved;
-            # while speculation is paused (overlapped steps) nothing is drafted at all.
-            keep = self.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
-            proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
-            if self.overlap_when_paused:
-                # The budget wants no speculation at this load: run the next steps as plain
-                # overlapped decoding (host work hidden), then draft and ask the budget again.
-                # Any draft kept ends the pause: drafts need the synchronous path. Only a
-                # verdict on the load pauses: not a step where no request had room to draft
-                # (requests at their last token), nor one the budget priced with prefill
-                # chunks in it (a one-step condition; the pause would outlive it).
-                decode_only = self.budget.base_rows(len(ready)) == len(ready)
-                pause = any(limits) and decode_only and not any(keep)
-                self._paused_until = self.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
-                self._stale_pauses = 0
-        for s, (d, conf) in zip(ready, proposals):
-            pool.put(s.slot, d, conf)
 
     def release_outputs(self) -> None:
         """The caller has consumed every output handed out so far (e.g. the engine went idle):

@@ -51,6 +51,9 @@ class VerifyBudgetPolicy:
         self._draft_times: deque[float] = deque(maxlen=32)
         # host seconds a synchronous step adds to its launch-to-readback time (recent median)
         self._sync_overheads: deque[float] = deque(maxlen=16)
+        # the confidences of the last round that drafted (requests with drafts): what the end
+        # of a pause is priced with (keeps_pausing)
+        self._last_round: list[list[float]] = []
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -172,7 +175,7 @@ class VerifyBudgetPolicy:
         current decode requests, priced with the current curves and load. Asking this needs no
         drafts, so no synchronous step; False means "draft and ask for real" (also when that
         round had no drafts at all: only drafting can tell whether there are any now)."""
-        last = getattr(self, "_last_round", None)
+        last = self._last_round
         running = self.engine.scheduler.running
         num_ready = sum(1 for s in running if s.num_uncomputed_tokens == 1)
         if not last or num_ready == 0:

@@ -178,7 +178,7 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     """At the end of a pause the engine asks keeps_pausing() (last round's confidences) first:
     while it says yes, steps stay overlapped, up to MAX_STALE_PAUSES extensions, then it drafts
     for real. Outputs stay lossless."""
-    from specserve.engine.llm_engine import MAX_STALE_PAUSES, PAUSE_STEPS
+    from specserve.spec.speculator import MAX_STALE_PAUSES, PAUSE_STEPS
 
     prompts = prompts_of([12, 30, 8, 21])
     prompts.append([101, 102, 103, 104] * 8)

@@ -189,6 +189,7 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     p.plain_chosen = 0
     p._draft_times = collections.deque(maxlen=32)
     p._sync_overheads = collections.deque(maxlen=16)
+    p._last_round = []
     decoding = SimpleNamespace(num_uncomputed_tokens=1)
     sched.running = [decoding] * 64
     assert not p.keeps_pausing()  # no round has drafted yet: only drafting can tell

@@ -1,0 +1,120 @@
+"""Speculation inside the engine's step: drafting the next step into the slot pool, the verify
+budget's trim, and pausing speculation while plain overlapped decoding wins.
+
+A host-side drafter needs each step's tokens on the host, so steps that verify drafts run
+synchronously. When the verify budget keeps no drafts at all at the current load, speculation
+pauses: the next PAUSE_STEPS steps draft nothing and run overlapped (host work hidden). At the
+end of a pause the budget is first asked with the last drafting round's confidences (no
+synchronous step needed); after MAX_STALE_PAUSES such extensions in a row the engine drafts for
+real, so the confidences priced are never more than (1 + MAX_STALE_PAUSES) pauses old.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.engine.ledger import HostStepResult
+from specserve.engine.scheduler import StepBatch
+from specserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specserve.engine.llm_engine import LLMEngine
+
+# Long enough that the one synchronous step which re-drafts costs little, short enough to notice
+# the load falling.
+PAUSE_STEPS = 8
+MAX_STALE_PAUSES = 7
+
+
+class Speculator:
+    def __init__(self, engine: LLMEngine) -> None:
+        assert engine.drafter is not None and engine.slot_pool is not None
+        self.engine = engine
+        self.drafter = engine.drafter
+        self.pool = engine.slot_pool
+        self._paused_until = 0  # steps before this id run without drafts, overlapped
+        self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
+
+    def paused(self, next_step: int) -> bool:
+        """Does step `next_step` run with speculation paused (overlapped, no drafts)?"""
+        if not self.engine.overlap_when_paused or not self._paused_until:
+            return False
+        if next_step < self._paused_until:
+            return True
+        # the pause is over: if the budget still wants plain decoding at this load (asked with
+        # the last drafting round's confidences), extend it without a synchronous step
+        budget = self.engine.budget
+        if self._stale_pauses < MAX_STALE_PAUSES and budget.keeps_pausing():
+            self._stale_pauses += 1
+            self._paused_until = next_step + PAUSE_STEPS
+            return True
+        self._paused_until = 0
+        return False
+
+    def observe(
+        self, batch: StepBatch, seqs: list[Sequence], host: HostStepResult
+    ) -> HostStepResult:
+        """A verified step's outcome: the drafter learns from it; the ledger gets each
+        request's draft confidences (acceptance metrics)."""
+        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+        confs = [self.pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
+        for s, d, acc in zip(seqs, drafts, host.num_accepted):
+            if d:
+                self.drafter.observe(s, len(d), acc)
+        return host._replace(draft_confidences=confs)
+
+    def draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
+        """[total_q, V] draft distributions of the verify layout's rows (rows that verify
+        nothing get q = 0; they never read it), or None for one-hot drafters."""
+        if self.pool.q is None or not any(drafts):
+            return None
+        eng = self.engine
+        v = eng.model_config.vocab_size
+        parts = []
+        for s, d in zip(seqs, drafts):
+            if d:
+                parts.append(self.pool.q_rows(s.slot, len(d)))
+            parts.append(torch.zeros(1, v, device=eng.device))
+        return torch.cat(parts)
+
+    def propose(self) -> None:
+        """Drafts for the next step, into each running request's slot. Only requests whose
+        prompt is fully computed draft (their next step is a decode/verify step)."""
+        eng, pool = self.engine, self.pool
+        ready = []
+        for s in eng.scheduler.running:
+            pool.clear(s.slot)
+            if s.num_uncomputed_tokens == 1:
+                ready.append(s)
+        if not ready:
+            return
+        limits = []
+        for s in ready:
+            room = min(pool.k, eng.max_model_len - s.num_tokens)
+            if s.params.max_tokens is not None:
+                room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
+            limits.append(max(0, room))
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(ready, limits)
+        budget = eng.budget
+        if budget is not None:
+            budget.record_draft_time(time.perf_counter() - t0)
+            # Confidences are this round's: the drafter ran just now on the step the ledger has
+            # just processed. Speculative steps are synchronous, so no older round is involved;
+            # while speculation is paused (overlapped steps) nothing is drafted at all.
+            keep = budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
+            proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
+            if eng.overlap_when_paused:
+                # Any draft kept ends the pause: drafts need the synchronous path. Only a verdict
+                # on the load pauses: not a step where no request had room to draft (requests at
+                # their last token), nor one the budget priced with prefill chunks in it (a
+                # one-step condition; the pause would outlive it).
+                decode_only = budget.base_rows(len(ready)) == len(ready)
+                pause = any(limits) and decode_only and not any(keep)
+                self._paused_until = eng.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
+                self._stale_pauses = 0
+        for s, (d, conf) in zip(ready, proposals):
+            pool.put(s.slot, d, conf)
