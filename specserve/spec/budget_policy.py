@@ -33,18 +33,41 @@ class VerifyBudgetPolicy:
     def __init__(self, engine: LLMEngine, cache_root: Path | None) -> None:
         self.engine = engine
         k = engine.slot_pool.k
-        self.max_rows = engine.max_num_batched_tokens
-        self.curve = self._load_or_calibrate(
-            capture_sizes(min(self.max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
+        max_rows = engine.max_num_batched_tokens
+        curve = self._load_or_calibrate(
+            capture_sizes(min(max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
         )
         # Plain decoding can run overlapped (host work hidden) when no request verifies drafts,
         # so "no speculation at all" is priced with its own curve: start-up values of the
         # synthetic steps (device time plus one sync), then real overlapped steps (the time
         # between consecutive readbacks, which is what such a step costs in steady state).
-        self.plain: StepCostCurve | None = None
+        plain = None
         if engine.overlap_when_paused:
-            self.plain = StepCostCurve(self.curve.buckets, padded=self.curve.padded)
-            self.plain.calibrate(self.curve, reps=1)
+            plain = StepCostCurve(curve.buckets, padded=curve.padded)
+            plain.calibrate(curve, reps=1)
+        self._setup(engine, max_rows, curve, plain)
+
+    @classmethod
+    def from_curves(
+        cls,
+        engine: LLMEngine,
+        max_rows: int,
+        curve: StepCostCurve,
+        plain: StepCostCurve | None = None,
+    ) -> VerifyBudgetPolicy:
+        """A policy over given curves (no start-up calibration): tests, offline analysis."""
+        policy = cls.__new__(cls)
+        policy._setup(engine, max_rows, curve, plain)
+        return policy
+
+    def _setup(
+        self,
+        engine: LLMEngine,
+        max_rows: int,
+        curve: StepCostCurve,
+        plain: StepCostCurve | None,
+    ) -> None:
+        self.engine, self.max_rows, self.curve, self.plain = engine, max_rows, curve, plain
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
         # below includes it)
@@ -54,6 +77,7 @@ class VerifyBudgetPolicy:
         # the confidences of the last round that drafted (requests with drafts): what the end
         # of a pause is priced with (keeps_pausing)
         self._last_round: list[list[float]] = []
+        self._explore_from = 0  # the request exploration starts at (they take turns)
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
@@ -154,11 +178,12 @@ class VerifyBudgetPolicy:
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
-            # a few rows past the choice (the next-best survivals, up to a quarter of the step
-            # more): enough to correct the curve and the confidences near where the choice
-            # sits, cheap even at high load (all drafts of 256 requests would be a 5x step)
+            # every draft of some requests, up to a quarter of the step's rows more: deep draft
+            # positions the choice skips get verified (acceptance estimates learn only from
+            # verified drafts) and the curve is measured past the choice, while staying cheap at
+            # high load (every draft of 256 requests would be a 5x step). Requests take turns.
             room = max(0, self.max_rows - base - sum(keep))
-            keep = _extend(usable, keep, min(room, max(EXPLORE_MIN_ROWS, base // 4)))
+            keep = self._explore(usable, keep, min(room, max(EXPLORE_MIN_ROWS, base // 4)))
             choice = choice._replace(
                 expected_tokens=len(ready)
                 + sum(sum(survivals(c[:m])) for c, m in zip(usable, keep))
@@ -167,6 +192,22 @@ class VerifyBudgetPolicy:
         self.chosen_rows += sum(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
         return keep
+
+    def _explore(self, confs: list[list[float]], keep: list[int], extra: int) -> list[int]:
+        """keep, plus all drafts of requests taken in turn (from where the last exploration
+        stopped) while they fit in `extra` more rows: still a prefix per request."""
+        out, n = list(keep), len(confs)
+        last = None
+        for t in range(n):
+            i = (self._explore_from + t) % n
+            more = len(confs[i]) - out[i]
+            if 0 < more <= extra:
+                out[i] += more
+                extra -= more
+                last = i
+        if last is not None:
+            self._explore_from = last + 1
+        return out
 
     def keeps_pausing(self) -> bool:
         """At the end of a pause (overlapped plain steps): would the chooser still keep no drafts
@@ -183,19 +224,6 @@ class VerifyBudgetPolicy:
         usable = [last[i % len(last)] for i in range(num_ready)]
         choice = self._choose(usable, num_ready, self.base_rows(num_ready))
         return not any(choice.num_verify)
-
-
-def _extend(confs: list[list[float]], keep: list[int], extra: int) -> list[int]:
-    """keep plus the `extra` best further drafts by survival (still a prefix per request)."""
-    items = []
-    for i, c in enumerate(confs):
-        a = survivals(c)
-        items += [(a[j], j, i) for j in range(keep[i], len(c))]
-    items.sort(key=lambda x: (-x[0], x[1]))
-    out = list(keep)
-    for _a, _j, i in items[:extra]:
-        out[i] += 1
-    return out
 
 
 def _sync(device: torch.device) -> None:

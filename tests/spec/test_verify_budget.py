@@ -1,4 +1,3 @@
-import collections
 import itertools
 import math
 
@@ -76,14 +75,9 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
     class Eng:
         scheduler = Sched()
 
-    policy = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
-    policy.engine, policy.max_rows = Eng(), 64
-    policy.curve = StepCostCurve([1, 2, 4, 8])
-    policy.curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # busy-machine curve
-    policy.expected_accepted, policy.chosen_rows, policy.offered_rows, policy._calls = 0.0, 0, 0, 0
-    policy.plain, policy.plain_chosen = None, 0
-    policy._draft_times = collections.deque(maxlen=32)
-    policy._sync_overheads = collections.deque(maxlen=16)
+    curve = StepCostCurve([1, 2, 4, 8])
+    curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # busy-machine curve
+    policy = VerifyBudgetPolicy.from_curves(Eng(), 64, curve)
     kept = [policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) for _ in range(EXPLORE_EVERY)]
     assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
     for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
@@ -107,17 +101,11 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
         scheduler = Sched()
 
     def policy_with(plain_cost: float) -> VerifyBudgetPolicy:
-        p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
-        p.engine, p.max_rows = Eng(), 512
-        p.curve = StepCostCurve([8, 16, 32, 64, 128])
-        p.curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)  # synchronous steps
-        p.plain = StepCostCurve(p.curve.buckets)
-        p.plain.calibrate(lambda rows: plain_cost * (1.0 + rows / 64), reps=1)
-        p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
-        p.plain_chosen = 0
-        p._draft_times = collections.deque(maxlen=32)
-        p._sync_overheads = collections.deque(maxlen=16)
-        return p
+        curve = StepCostCurve([8, 16, 32, 64, 128])
+        curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)  # synchronous steps
+        plain = StepCostCurve(curve.buckets)
+        plain.calibrate(lambda rows: plain_cost * (1.0 + rows / 64), reps=1)
+        return VerifyBudgetPolicy.from_curves(Eng(), 512, curve, plain)
 
     ready = [object()] * 32
     drafts, confs = [[1, 2]] * 32, [[0.6, 0.5]] * 32
@@ -179,17 +167,11 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     from specserve.spec.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
-    p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
-    p.engine, p.max_rows = SimpleNamespace(scheduler=sched), 512
-    p.curve = StepCostCurve([1, 8, 16, 32, 64, 128])
-    p.curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # each row costs 1/16 of a step
-    p.plain = StepCostCurve(p.curve.buckets)
-    p.plain.calibrate(lambda rows: 1.0 + rows / 16, reps=1)
-    p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
-    p.plain_chosen = 0
-    p._draft_times = collections.deque(maxlen=32)
-    p._sync_overheads = collections.deque(maxlen=16)
-    p._last_round = []
+    curve = StepCostCurve([1, 8, 16, 32, 64, 128])
+    curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # each row costs 1/16 of a step
+    plain = StepCostCurve(curve.buckets)
+    plain.calibrate(lambda rows: 1.0 + rows / 16, reps=1)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
     decoding = SimpleNamespace(num_uncomputed_tokens=1)
     sched.running = [decoding] * 64
     assert not p.keeps_pausing()  # no round has drafted yet: only drafting can tell
@@ -202,30 +184,28 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
 
 
 def test_exploration_at_high_load_adds_a_quarter_of_the_step():
-    """Every EXPLORE_EVERY-th trim verifies the next-best drafts past the choice, up to a quarter
-    of the step's rows (not all drafts: at 256 requests x 4 that would be a 5x step)."""
+    """Every EXPLORE_EVERY-th trim verifies all drafts of some requests past the choice, up to a
+    quarter of the step's rows (not every draft: at 256 requests x 4 that would be a 5x step);
+    the requests take turns, so every draft position of every request gets verified now and
+    then (acceptance estimates learn only from verified drafts)."""
     from types import SimpleNamespace
 
     from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
-    p = VerifyBudgetPolicy.__new__(VerifyBudgetPolicy)
-    p.engine, p.max_rows = SimpleNamespace(scheduler=sched), 8192
-    p.curve = StepCostCurve([1, 64, 256, 512, 1280])
-    p.curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # rows are expensive: no drafts
-    p.plain, p.plain_chosen = None, 0
-    p.expected_accepted, p.chosen_rows, p.offered_rows, p._calls = 0.0, 0, 0, 0
-    p._draft_times = collections.deque(maxlen=32)
-    p._sync_overheads = collections.deque(maxlen=16)
+    curve = StepCostCurve([1, 64, 256, 512, 1280])
+    curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # rows are expensive: no drafts
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 8192, curve)
     ready = [object()] * 256
-    confs = [[0.5 + 0.1 * (i % 4)] * 4 for i in range(256)]  # four confidence groups
+    confs = [[0.5 + 0.1 * (i % 4)] * 4 for i in range(256)]
     drafts = [[1, 2, 3, 4]] * 256
-    kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
-    assert all(sum(k) == 0 for k in kept[:-1])
-    explored = kept[-1]
-    assert sum(explored) == 256 // 4
-    # the best survivals first: the most confident group's first drafts (0.8, then 0.64 < 0.7)
-    assert all(m == (1 if i % 4 == 3 else 0) for i, m in enumerate(explored))
+    explored = []
+    for _ in range(256 // 16):
+        kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
+        assert all(sum(k) == 0 for k in kept[:-1])
+        assert sum(kept[-1]) == 256 // 4 and set(kept[-1]) == {0, 4}  # whole requests
+        explored.append({i for i, m in enumerate(kept[-1]) if m})
+    assert set().union(*explored) == set(range(256))  # everyone's turn came
 
 
 @pytest.mark.parametrize("padded", [False, True])
