@@ -11,6 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specserve.engine.sequence import Sequence
@@ -154,13 +155,15 @@ class VerifyBudgetPolicy:
     def _choose(self, usable: list[list[float]], num_ready: int, base: int) -> BudgetChoice:
         """The chooser over the synchronous curve, then speculation as a whole against plain
         overlapped decoding (num_verify all 0 when plain wins)."""
-        choice = choose_verify_budget(usable, base, self.curve, self.max_rows)
+        # A synchronous step's period is its launch-to-readback time (the curve) plus the host
+        # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
+        # periods, or extra rows would look dearer than they are next to that fixed cost.
+        period = _Offset(self.curve, self.sync_overhead)
+        choice = choose_verify_budget(usable, base, period, self.max_rows)
         if self.plain is not None and any(choice.num_verify):
             # one token per decode request in an overlapped step of `base` rows (its curve holds
-            # whole periods: host work hidden), against the speculative step plus the host work
-            # a synchronous step adds to it (scheduling, ledger, drafting, the caller)
-            spec_time = choice.step_time + self.sync_overhead
-            if num_ready / self.plain(base) >= choice.expected_tokens / spec_time:
+            # whole periods: host work hidden), against the speculative step's period
+            if num_ready / self.plain(base) >= choice.expected_tokens / choice.step_time:
                 self.plain_chosen += 1
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
@@ -224,6 +227,19 @@ class VerifyBudgetPolicy:
         usable = [last[i % len(last)] for i in range(num_ready)]
         choice = self._choose(usable, num_ready, self.base_rows(num_ready))
         return not any(choice.num_verify)
+
+
+class _Offset:
+    """A step-cost curve plus a constant (scalar and vectorised, as the chooser calls it)."""
+
+    def __init__(self, curve: StepCostCurve, add: float) -> None:
+        self.curve, self.add = curve, add
+
+    def __call__(self, rows: int) -> float:
+        return self.curve(rows) + self.add
+
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        return self.curve.many(rows) + self.add
 
 
 def _sync(device: torch.device) -> None:

@@ -309,3 +309,21 @@ def test_unobserved_buckets_follow_the_level_of_real_steps():
     fresh.calibrate(lambda rows: 1.0 + rows / 100, reps=1)
     fresh.record(16, 2.0)
     assert dict(fresh.points())[32] == pytest.approx(1.32)  # not scaled up
+
+
+def test_the_chooser_prices_whole_step_periods():
+    """The host work around a synchronous step (ledger, drafting, scheduling) is a fixed cost per
+    step: next to it, extra verify rows are cheaper than the device curve alone says. Without
+    it a 50 % draft per request is not worth its rows here; with it, it is."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([16, 32, 64])
+    curve.calibrate(lambda rows: rows / 16, reps=1)  # device time: 1.0 at 16 rows, 2.0 at 32
+    ready, drafts, confs = [object()] * 16, [[1]] * 16, [[0.5]] * 16
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+    assert p.trim(ready, drafts, confs) == [0] * 16  # 16 / 1.0 beats 24 / 2.0
+    p.record_sync_overhead(2.0)
+    assert p.trim(ready, drafts, confs) == [1] * 16  # 24 / 4.0 beats 16 / 3.0
