@@ -152,7 +152,9 @@ class VerifyBudgetPolicy:
         prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
         return num_ready + min(prefill, max(0, self.max_rows - num_ready))
 
-    def _choose(self, usable: list[list[float]], num_ready: int, base: int) -> BudgetChoice:
+    def _choose(
+        self, usable: list[list[float]], num_ready: int, base: int, count: bool = True
+    ) -> BudgetChoice:
         """The chooser over the synchronous curve, then speculation as a whole against plain
         overlapped decoding (num_verify all 0 when plain wins)."""
         # A synchronous step's period is its launch-to-readback time (the curve) plus the host
@@ -164,7 +166,7 @@ class VerifyBudgetPolicy:
             # one token per decode request in an overlapped step of `base` rows (its curve holds
             # whole periods: host work hidden), against the speculative step's period
             if num_ready / self.plain(base) >= choice.expected_tokens / choice.step_time:
-                self.plain_chosen += 1
+                self.plain_chosen += count  # trims only, not keeps_pausing's questions
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
                 )
@@ -225,7 +227,7 @@ class VerifyBudgetPolicy:
         if not last or num_ready == 0:
             return False
         usable = [last[i % len(last)] for i in range(num_ready)]
-        choice = self._choose(usable, num_ready, self.base_rows(num_ready))
+        choice = self._choose(usable, num_ready, self.base_rows(num_ready), count=False)
         return not any(choice.num_verify)
 
 
