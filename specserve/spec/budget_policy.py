@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine
 
 CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
+KV_CALIBRATION_CONTEXT = 640  # the longer context of the kv_cost measurement
 # every EXPLORE_EVERY-th step verifies all drafts whatever the chooser says: the curve and the
 # acceptance estimates only learn from steps that run, so a pessimistic start (a curve measured on
 # a busy machine, the prior confidences) would otherwise never be corrected
@@ -44,7 +45,7 @@ class VerifyBudgetPolicy:
         # between consecutive readbacks, which is what such a step costs in steady state).
         plain = None
         if engine.overlap_when_paused:
-            plain = StepCostCurve(curve.buckets, padded=curve.padded)
+            plain = StepCostCurve(curve.buckets, padded=curve.padded, kv_cost=curve.kv_cost)
             plain.calibrate(curve, reps=1)
         self._setup(engine, max_rows, curve, plain)
 
@@ -99,30 +100,58 @@ class VerifyBudgetPolicy:
         padded = self.engine.runner.graphs is not None
         curve = StepCostCurve.load(path, buckets, padded) if path is not None else None
         if curve is None:
-            curve = StepCostCurve(buckets, padded=padded)
-            curve.calibrate(self._synthetic_step, reps=2)
+            kv_cost = self._measure_kv_cost()
+            curve = StepCostCurve(buckets, padded=padded, kv_cost=kv_cost)
+
+            def f(rows: int) -> float:  # the step without its context term
+                n_req = max(1, min(rows, self.engine.config.max_num_seqs))
+                return self._synthetic_step(rows) - kv_cost * n_req * CALIBRATION_CONTEXT
+
+            curve.calibrate(f, reps=2)
             if path is not None:
                 curve.save(path)
         return curve
 
-    def _synthetic_step(self, rows: int) -> float:
-        """One forward + logits of `rows` decode/verify rows over the padding block (block 0 is
-        never handed out, so the writes land nowhere that matters)."""
+    def _measure_kv_cost(self, reps: int = 3) -> float:
+        """Seconds per context token a step's requests read: synthetic decode steps of the same
+        rows (one per request, as many requests as a step holds) at three context lengths; the
+        median slope over all pairs of samples at different lengths (Theil-Sen: one slow sample
+        on a busy machine does not set it)."""
+        eng = self.engine
+        long_ctx = min(KV_CALIBRATION_CONTEXT, eng.max_model_len - 2)
+        if long_ctx <= CALIBRATION_CONTEXT:
+            return 0.0
+        rows = max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
+        samples: list[tuple[int, float]] = []
+        for ctx in (CALIBRATION_CONTEXT, (CALIBRATION_CONTEXT + long_ctx) // 2, long_ctx):
+            self._synthetic_step(rows, ctx)  # warm-up: buffers for this context
+            samples += [(ctx, self._synthetic_step(rows, ctx)) for _ in range(reps)]
+        slopes = [
+            (t2 - t1) / (rows * (c2 - c1)) for c1, t1 in samples for c2, t2 in samples if c2 > c1
+        ]
+        return max(0.0, statistics.median(slopes))
+
+    def _synthetic_step(self, rows: int, context: int = CALIBRATION_CONTEXT) -> float:
+        """One forward + logits of `rows` decode/verify rows (one request per row up to
+        max_num_seqs), each request over `context` tokens. The KV blocks are the free ones,
+        distinct per request as far as they go (start-up: no request holds any, and a request
+        writes every position before reading it), so the reads cost what real ones do rather
+        than hitting one cached block."""
         eng = self.engine
         n_req = max(1, min(rows, eng.config.max_num_seqs))
         per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
-        blocks = [0] * ((CALIBRATION_CONTEXT + max(per)) // eng.config.block_size + 1)
-        inputs = eng.runner.prepare_rows(
-            [[1] * q for q in per], [CALIBRATION_CONTEXT] * n_req, [blocks] * n_req, per
-        )
+        nb = (context + max(per)) // eng.config.block_size + 1
+        usable = max(1, eng.num_kv_blocks - 1)  # block 0 is the padding block
+        tables = [[1 + (r * nb + j) % usable for j in range(nb)] for r in range(n_req)]
+        inputs = eng.runner.prepare_rows([[1] * q for q in per], [context] * n_req, tables, per)
         _sync(eng.device)
         t0 = time.perf_counter()
         logits = eng.runner.forward(inputs)
         logits.argmax(-1).tolist()  # the step's one host sync, as in a real step
         return time.perf_counter() - t0
 
-    def record_step(self, rows: int, seconds: float) -> None:
-        self.curve.record(rows, seconds)
+    def record_step(self, rows: int, seconds: float, kv_tokens: int) -> None:
+        self.curve.record(rows, seconds, kv_tokens)
 
     def record_draft_time(self, seconds: float) -> None:
         self._draft_times.append(seconds)
@@ -139,9 +168,9 @@ class VerifyBudgetPolicy:
     def sync_overhead(self) -> float:
         return statistics.median(self._sync_overheads) if self._sync_overheads else 0.0
 
-    def record_plain_step(self, rows: int, seconds: float) -> None:
+    def record_plain_step(self, rows: int, seconds: float, kv_tokens: int) -> None:
         if self.plain is not None:
-            self.plain.record(rows, seconds)
+            self.plain.record(rows, seconds, kv_tokens)
 
     # -- the choice -----------------------------------------------------------------------------
     def base_rows(self, num_ready: int) -> int:
@@ -152,20 +181,27 @@ class VerifyBudgetPolicy:
         prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
         return num_ready + min(prefill, max(0, self.max_rows - num_ready))
 
+    def _kv_tokens(self, ready: list[Sequence]) -> int:
+        """Context tokens the next step's decode requests read (drafts and prefill chunks
+        left out: the same for every candidate, or small)."""
+        return sum(s.num_tokens for s in ready) if self.curve.kv_cost else 0
+
     def _choose(
-        self, usable: list[list[float]], num_ready: int, base: int, count: bool = True
+        self, usable: list[list[float]], num_ready: int, base: int, kv: int, count: bool = True
     ) -> BudgetChoice:
         """The chooser over the synchronous curve, then speculation as a whole against plain
         overlapped decoding (num_verify all 0 when plain wins)."""
         # A synchronous step's period is its launch-to-readback time (the curve) plus the host
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
-        # periods, or extra rows would look dearer than they are next to that fixed cost.
-        period = _Offset(self.curve, self.sync_overhead)
+        # periods, or extra rows would look dearer than they are next to that fixed cost. The
+        # context term is fixed too: the requests do not change with the rows chosen.
+        period = _Offset(self.curve, self.sync_overhead + self.curve.kv_cost * kv)
         choice = choose_verify_budget(usable, base, period, self.max_rows)
         if self.plain is not None and any(choice.num_verify):
             # one token per decode request in an overlapped step of `base` rows (its curve holds
             # whole periods: host work hidden), against the speculative step's period
-            if num_ready / self.plain(base) >= choice.expected_tokens / choice.step_time:
+            plain_rate = num_ready / self.plain.at(base, kv)
+            if plain_rate >= choice.expected_tokens / choice.step_time:
                 self.plain_chosen += count  # trims only, not keeps_pausing's questions
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
@@ -179,7 +215,7 @@ class VerifyBudgetPolicy:
         base = self.base_rows(len(ready))
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         self._last_round = [c for c in usable if c]
-        choice = self._choose(usable, len(ready), base)
+        choice = self._choose(usable, len(ready), base, self._kv_tokens(ready))
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
@@ -222,12 +258,13 @@ class VerifyBudgetPolicy:
         drafts, so no synchronous step; False means "draft and ask for real" (also when that
         round had no drafts at all: only drafting can tell whether there are any now)."""
         last = self._last_round
-        running = self.engine.scheduler.running
-        num_ready = sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        ready = [s for s in self.engine.scheduler.running if s.num_uncomputed_tokens == 1]
+        num_ready = len(ready)
         if not last or num_ready == 0:
             return False
         usable = [last[i % len(last)] for i in range(num_ready)]
-        choice = self._choose(usable, num_ready, self.base_rows(num_ready), count=False)
+        base, kv = self.base_rows(num_ready), self._kv_tokens(ready)
+        choice = self._choose(usable, num_ready, base, kv, count=False)
         return not any(choice.num_verify)
 
 

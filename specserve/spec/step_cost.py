@@ -1,6 +1,14 @@
-"""The step-cost curve: step time as a function of total rows, measured at start-up over the
-row buckets the engine uses and refined online from the steps actually run (medians of recent
-steps per bucket). Used by the verify budget to turn a candidate number of rows into time."""
+"""The step-cost model: step time = f(total rows) + kv_cost * (context tokens the step's requests
+read). f is measured at start-up over the row buckets the engine uses and refined online from the
+steps actually run (medians of recent steps per bucket); kv_cost is measured at start-up. Used by
+the verify budget to turn a candidate number of rows into time.
+
+Why two terms: attention reads every request's whole context, so two steps of the same rows cost
+differently with different requests behind them (30 requests verifying 80 rows vs 64 requests
+decoding 64 rows; short contexts at start-up vs long ones late in a run). One decision varies only
+the rows of a fixed set of requests: folding the context term into f made extra verify rows look
+as dear as extra requests (on the CPU, ~2 ms per row vs ~8 us per context token).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +23,11 @@ import numpy as np
 
 
 class StepCostCurve:
-    def __init__(self, buckets: list[int], window: int = 32, padded: bool = False) -> None:
+    def __init__(
+        self, buckets: list[int], window: int = 32, padded: bool = False, kv_cost: float = 0.0
+    ) -> None:
         self.buckets = sorted(set(buckets))
+        self.kv_cost = kv_cost  # seconds per context token read (0: f holds everything)
         # padded: steps of up to the largest bucket run padded to their bucket (CUDA graphs and
         # their eager twin), so the cost is a step function - a row that stays inside its
         # bucket costs nothing. Otherwise (CPU: exact rows) linear between buckets.
@@ -48,11 +59,15 @@ class StepCostCurve:
             self._dirty.add(i)
         self._envelope = None
 
-    def record(self, rows: int, seconds: float) -> None:
-        """An observed step. It refines the bucket at or above `rows`, scaled by the curve's
-        own ratio so a 37-row step informs the 48-row bucket without biasing it."""
+    def record(self, rows: int, seconds: float, kv_tokens: int = 0) -> None:
+        """An observed step of `rows` rows whose requests read `kv_tokens` context tokens. It
+        refines f at the bucket at or above `rows`, scaled by the curve's own ratio so a 37-row
+        step informs the 48-row bucket without biasing it."""
         if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
             return  # past the largest bucket: extrapolated, never folded into it
+        # the context term out; never below a tenth of the step (a kv_cost measured too high
+        # must not drive f to zero)
+        seconds = max(seconds - self.kv_cost * kv_tokens, 0.1 * seconds)
         i = self._bucket_at_or_above(rows)
         b = self.buckets[i]
         if self._samples[i] and rows != b:
@@ -67,7 +82,12 @@ class StepCostCurve:
         self._envelope = None
 
     # -- evaluation -----------------------------------------------------------------------------
+    def at(self, rows: int, kv_tokens: int) -> float:
+        """Seconds of a step of `rows` rows whose requests read `kv_tokens` context tokens."""
+        return self(rows) + self.kv_cost * kv_tokens
+
     def __call__(self, rows: int) -> float:
+        """f(rows): the part of a step's time that depends on its rows."""
         env = self._curve()
         bs = self.buckets
         if rows <= bs[0]:
@@ -163,7 +183,13 @@ class StepCostCurve:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
-            json.dumps({"buckets": self.buckets, "samples": [list(s) for s in self._samples]})
+            json.dumps(
+                {
+                    "buckets": self.buckets,
+                    "kv_cost": self.kv_cost,
+                    "samples": [list(s) for s in self._samples],
+                }
+            )
         )
 
     @classmethod
@@ -172,9 +198,9 @@ class StepCostCurve:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        if data.get("buckets") != sorted(set(buckets)):
+        if data.get("buckets") != sorted(set(buckets)) or "kv_cost" not in data:
             return None
-        curve = cls(buckets, padded=padded)
+        curve = cls(buckets, padded=padded, kv_cost=float(data["kv_cost"]))
         for dq, s in zip(curve._samples, data["samples"]):
             dq.extend(s)
         return curve

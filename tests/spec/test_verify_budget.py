@@ -327,3 +327,70 @@ def test_the_chooser_prices_whole_step_periods():
     assert p.trim(ready, drafts, confs) == [0] * 16  # 16 / 1.0 beats 24 / 2.0
     p.record_sync_overhead(2.0)
     assert p.trim(ready, drafts, confs) == [1] * 16  # 24 / 4.0 beats 16 / 3.0
+
+
+def test_step_cost_separates_the_context_term_from_rows(tmp_path):
+    """Real steps fold into f with their context term taken out, and a step is priced as
+    f(rows) + kv_cost * its context tokens: the same rows cost more with longer contexts, and a
+    step of few requests with long contexts does not make rows look dear."""
+    curve = StepCostCurve([16, 32, 64], kv_cost=1e-4)
+    curve.calibrate(lambda rows: 0.01 * rows, reps=1)  # f: 10 ms per row
+    for _ in range(3):  # 32 rows of requests reading 4,000 context tokens: 0.32 + 0.4 s
+        curve.record(32, 0.72, kv_tokens=4000)
+    assert curve(32) == pytest.approx(0.32)
+    assert curve.at(32, 10_000) == pytest.approx(1.32)
+    assert curve.at(64, 0) == pytest.approx(0.64)
+    curve.record(16, 0.05, kv_tokens=10**6)  # kv_cost too high for this step: f stays positive
+    assert curve(16) == pytest.approx(0.005)
+    path = tmp_path / "c.json"
+    curve.save(path)
+    again = StepCostCurve.load(path, [16, 32, 64])
+    assert again is not None and again.kv_cost == pytest.approx(1e-4)
+    path.write_text(path.read_text().replace('"kv_cost"', '"old"'))  # a cache from before
+    assert StepCostCurve.load(path, [16, 32, 64]) is None
+
+
+def test_calibration_measures_the_context_cost_and_rows_apart():
+    """Start-up calibration against a device whose step costs 1 ms + 2 ms per row + 5 us per
+    context token: kv_cost and f come out right, whatever contexts the synthetic steps use."""
+    from types import SimpleNamespace
+
+    from specserve.spec import budget_policy as bp
+
+    calls = []
+
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT):
+        n_req = min(rows, 8)
+        calls.append((rows, context))
+        return 1e-3 + 2e-3 * rows + 5e-6 * n_req * (context + 1)
+
+    eng = SimpleNamespace(
+        config=SimpleNamespace(max_num_seqs=8), max_num_batched_tokens=64, max_model_len=2048
+    )
+    policy = bp.VerifyBudgetPolicy.__new__(bp.VerifyBudgetPolicy)
+    policy.engine = eng
+    policy._synthetic_step = synthetic.__get__(policy)
+    policy.engine.runner = SimpleNamespace(graphs=None)
+    curve = policy._load_or_calibrate([1, 8, 16, 40], None)
+    assert curve.kv_cost == pytest.approx(5e-6)
+    for rows in (1, 8, 16, 40):
+        assert curve(rows) == pytest.approx(1e-3 + 2e-3 * rows + 5e-6 * min(rows, 8))
+    assert {bp.CALIBRATION_CONTEXT, bp.KV_CALIBRATION_CONTEXT} <= {c for _, c in calls}
+
+
+def test_long_contexts_make_verify_rows_relatively_cheap():
+    """Context reads are a fixed cost of the step (the requests do not change with the rows
+    chosen): next to a large one, drafts that did not pay with short contexts pay."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([16, 32, 64], kv_cost=1e-4)
+    curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+    drafts, confs = [[1]] * 16, [[0.5]] * 16
+    short = [SimpleNamespace(num_tokens=100)] * 16  # 1,600 tokens: +0.16 s
+    assert p.trim(short, drafts, confs) == [0] * 16  # 16 / 1.16 beats 24 / 2.16
+    long = [SimpleNamespace(num_tokens=2000)] * 16  # 32,000 tokens: +3.2 s
+    assert p.trim(long, drafts, confs) == [1] * 16  # 24 / 5.2 beats 16 / 4.2
