@@ -277,6 +277,9 @@ class _Offset:
     def __call__(self, rows: int) -> float:
         return self.curve(rows) + self.add
 
+    def span(self, lo: int, hi: int) -> list[float]:
+        return [t + self.add for t in self.curve.span(lo, hi)]
+
     def many(self, rows: np.ndarray) -> np.ndarray:
         return self.curve.many(rows) + self.add
 

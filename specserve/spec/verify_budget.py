@@ -48,21 +48,30 @@ def _choose_loop(
     max_rows: int,
 ) -> BudgetChoice:
     n_req = len(confidences)
-    items = []  # (survival, position, request)
+    items = []  # (-survival, position, request): survivals() inlined, the same arithmetic
     for i, conf in enumerate(confidences):
-        for j, a in enumerate(survivals(conf)):
+        a = 1.0
+        for j, c in enumerate(conf):
+            a *= min(max(c, 0.0), 1.0)
             if a <= 0.0:
                 break  # later drafts survive with probability 0 too
-            items.append((a, j, i))
-    # largest survival first; ties to the earlier position so a request's choice stays a prefix
-    items.sort(key=lambda x: (-x[0], x[1]))
+            items.append((-a, j, i))
+    # largest survival first; ties to the earlier position so a request's choice stays a prefix,
+    # then to the earlier request
+    items.sort()
     cap = max(0, min(len(items), max_rows - base_rows))
-    best_m, best_rate, best_tokens, best_time = 0, -1.0, float(n_req), step_time(base_rows)
+    span = getattr(step_time, "span", None)
+    times = (
+        span(base_rows, base_rows + cap)
+        if span is not None
+        else [step_time(base_rows + m) for m in range(cap + 1)]
+    )
+    best_m, best_rate, best_tokens, best_time = 0, -1.0, float(n_req), times[0]
     tokens = float(n_req)
     for m in range(cap + 1):
         if m > 0:
-            tokens += items[m - 1][0]
-        t = step_time(base_rows + m)
+            tokens -= items[m - 1][0]
+        t = times[m]
         rate = tokens / t if t > 0 else float("inf")
         if rate >= best_rate:  # >=: among equal rates prefer verifying more
             best_m, best_rate, best_tokens, best_time = m, rate, tokens, t

@@ -1,5 +1,6 @@
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -394,3 +395,16 @@ def test_long_contexts_make_verify_rows_relatively_cheap():
     assert p.trim(short, drafts, confs) == [0] * 16  # 16 / 1.16 beats 24 / 2.16
     long = [SimpleNamespace(num_tokens=2000)] * 16  # 32,000 tokens: +3.2 s
     assert p.trim(long, drafts, confs) == [1] * 16  # 24 / 5.2 beats 16 / 4.2
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_step_cost_span_equals_pointwise_evaluation(padded):
+    """span() prices every candidate total in one walk: float for float what __call__ gives,
+    below the first bucket, between buckets, on them and past the last."""
+    rng = random.Random(3)
+    curve = StepCostCurve([1, 2, 4, 8, 16, 24, 40], padded=padded)
+    curve.calibrate(lambda rows: 0.001 * rows + rng.random() * 1e-3, reps=2)
+    for rows in (3, 16, 16, 30):
+        curve.record(rows, 0.02 + rng.random() * 1e-3, kv_tokens=rows * 10)
+    assert curve.span(1, 60) == [curve(r) for r in range(1, 61)]
+    assert curve.span(17, 17) == [curve(17)]
