@@ -37,11 +37,13 @@ class StepCostCurve:
         # since a calibration run on a busy machine can be far off and would never be outvoted
         self._observed = [False] * len(self.buckets)
         # the start-up median of each bucket once observed. Buckets not yet observed are priced
-        # optimistically: at most their start-up value scaled by the real/start-up ratio of the
-        # nearest observed bucket (start-up steps are 1 row per synthetic request at a fixed
-        # context, real ones are not). Optimism, because a bucket priced too high is never
-        # chosen, so never measured, so never corrected; one priced too low gets chosen once and
-        # measured (the old rule, kept for ratios above 1).
+        # at their start-up value scaled by the real/start-up ratio of the nearest observed
+        # bucket: the start-up shape, at the level of real steps (which carry sampling, verify
+        # and bookkeeping kernels the synthetic ones lack). Scaling only down (real steps
+        # cheaper) made every unobserved bucket below an observed one look cheaper than it when
+        # real steps cost more, so the chooser tried each once with fewer drafts (H200, C = 16,
+        # R = 0.8: 46 steps instead of 44); a bucket priced too high still gets measured through
+        # exploration.
         self._calib: list[float | None] = [None] * len(self.buckets)
         # per-bucket medians, refreshed only for the buckets a sample changed: the budget asks
         # for the curve every step, and re-taking ~170 medians each time cost ~1 ms per step
@@ -151,7 +153,7 @@ class StepCostCurve:
                     j = near[i]
                     if m is not None and not self._observed[i] and j is not None:
                         # j is observed, so never rescaled itself: med[j] is a measured median
-                        med[i] = m * min(1.0, med[j] / self._calib[j])
+                        med[i] = m * (med[j] / self._calib[j])
             # buckets never measured borrow the nearest measured neighbour, scaled by rows (a
             # rough linear guess)
             if None in med:
