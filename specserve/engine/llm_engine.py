@@ -383,12 +383,14 @@ class LLMEngine:
             now = time.perf_counter()
             kv = sum(batch.starts) + batch.num_rows  # context tokens its requests read
             if not launched.overlapped and all(batch.samples):
-                self.budget.record_step(batch.num_rows, now - launched.t0, kv)
+                self.budget.record_step(batch.num_rows, now - launched.t0, kv, len(seqs))
                 self._launch_to_readback = now - launched.t0
             elif launched.overlapped and self._last_readback is not None and all(batch.samples):
                 # overlapped: a step's launch-to-readback also spans its predecessor; in steady
                 # state the step costs the time between consecutive readbacks
-                self.budget.record_plain_step(batch.num_rows, now - self._last_readback, kv)
+                self.budget.record_plain_step(
+                    batch.num_rows, now - self._last_readback, kv, len(seqs)
+                )
             self._last_readback = now if launched.overlapped else None
         outputs = self.ledger.process_outputs(batch, host, out_step)
         if self.speculator is not None and draft:

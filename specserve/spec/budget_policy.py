@@ -45,7 +45,9 @@ class VerifyBudgetPolicy:
         # between consecutive readbacks, which is what such a step costs in steady state).
         plain = None
         if engine.overlap_when_paused:
-            plain = StepCostCurve(curve.buckets, padded=curve.padded, kv_cost=curve.kv_cost)
+            plain = StepCostCurve(
+                curve.buckets, padded=curve.padded, kv_cost=curve.kv_cost, req_cost=curve.req_cost
+            )
             plain.calibrate(curve, reps=1)
         self._setup(engine, max_rows, curve, plain)
 
@@ -101,11 +103,12 @@ class VerifyBudgetPolicy:
         curve = StepCostCurve.load(path, buckets, padded) if path is not None else None
         if curve is None:
             kv_cost = self._measure_kv_cost()
-            curve = StepCostCurve(buckets, padded=padded, kv_cost=kv_cost)
+            req_cost = self._measure_req_cost(kv_cost)
+            curve = StepCostCurve(buckets, padded=padded, kv_cost=kv_cost, req_cost=req_cost)
 
-            def f(rows: int) -> float:  # the step without its context term
+            def f(rows: int) -> float:  # the step without its fixed terms
                 n_req = max(1, min(rows, self.engine.config.max_num_seqs))
-                return self._synthetic_step(rows) - kv_cost * n_req * CALIBRATION_CONTEXT
+                return self._synthetic_step(rows) - curve.fixed(n_req * CALIBRATION_CONTEXT, n_req)
 
             curve.calibrate(f, reps=2)
             if path is not None:
@@ -131,14 +134,33 @@ class VerifyBudgetPolicy:
         ]
         return max(0.0, statistics.median(slopes))
 
-    def _synthetic_step(self, rows: int, context: int = CALIBRATION_CONTEXT) -> float:
+    def _measure_req_cost(self, kv_cost: float, reps: int = 3) -> float:
+        """Seconds per request in a step beyond its rows and context: synthetic steps of the same
+        rows, decode-shaped (one row per request) and verify-shaped (1 + k rows per request),
+        their context terms taken out."""
+        eng = self.engine
+        per = 1 + eng.slot_pool.k
+        rows = max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
+        few = -(-rows // per)
+        if few >= rows:
+            return 0.0
+        times = []
+        for n_req in (rows, few):
+            self._synthetic_step(rows, n_req=n_req)  # warm-up
+            t = statistics.median(self._synthetic_step(rows, n_req=n_req) for _ in range(reps))
+            times.append(t - kv_cost * n_req * CALIBRATION_CONTEXT)
+        return max(0.0, (times[0] - times[1]) / (rows - few))
+
+    def _synthetic_step(
+        self, rows: int, context: int = CALIBRATION_CONTEXT, n_req: int | None = None
+    ) -> float:
         """One forward + logits of `rows` decode/verify rows (one request per row up to
         max_num_seqs), each request over `context` tokens. The KV blocks are the free ones,
         distinct per request as far as they go (start-up: no request holds any, and a request
         writes every position before reading it), so the reads cost what real ones do rather
         than hitting one cached block."""
         eng = self.engine
-        n_req = max(1, min(rows, eng.config.max_num_seqs))
+        n_req = n_req or max(1, min(rows, eng.config.max_num_seqs))
         per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
         nb = (context + max(per)) // eng.config.block_size + 1
         usable = max(1, eng.num_kv_blocks - 1)  # block 0 is the padding block
@@ -150,8 +172,8 @@ class VerifyBudgetPolicy:
         logits.argmax(-1).tolist()  # the step's one host sync, as in a real step
         return time.perf_counter() - t0
 
-    def record_step(self, rows: int, seconds: float, kv_tokens: int) -> None:
-        self.curve.record(rows, seconds, kv_tokens)
+    def record_step(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
+        self.curve.record(rows, seconds, kv_tokens, requests)
 
     def record_draft_time(self, seconds: float) -> None:
         self._draft_times.append(seconds)
@@ -168,9 +190,9 @@ class VerifyBudgetPolicy:
     def sync_overhead(self) -> float:
         return statistics.median(self._sync_overheads) if self._sync_overheads else 0.0
 
-    def record_plain_step(self, rows: int, seconds: float, kv_tokens: int) -> None:
+    def record_plain_step(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
         if self.plain is not None:
-            self.plain.record(rows, seconds, kv_tokens)
+            self.plain.record(rows, seconds, kv_tokens, requests)
 
     # -- the choice -----------------------------------------------------------------------------
     def base_rows(self, num_ready: int) -> int:
@@ -194,13 +216,13 @@ class VerifyBudgetPolicy:
         # A synchronous step's period is its launch-to-readback time (the curve) plus the host
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
         # periods, or extra rows would look dearer than they are next to that fixed cost. The
-        # context term is fixed too: the requests do not change with the rows chosen.
-        period = _Offset(self.curve, self.sync_overhead + self.curve.kv_cost * kv)
+        # context and per-request terms are fixed too: the requests do not change with the rows.
+        period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
         if self.plain is not None and any(choice.num_verify):
             # one token per decode request in an overlapped step of `base` rows (its curve holds
             # whole periods: host work hidden), against the speculative step's period
-            plain_rate = num_ready / self.plain.at(base, kv)
+            plain_rate = num_ready / self.plain.at(base, kv, num_ready)
             if plain_rate >= choice.expected_tokens / choice.step_time:
                 self.plain_chosen += count  # trims only, not keeps_pausing's questions
                 return choice._replace(

@@ -1,13 +1,15 @@
 """The step-cost model: step time = f(total rows) + kv_cost * (context tokens the step's requests
-read). f is measured at start-up over the row buckets the engine uses and refined online from the
-steps actually run (medians of recent steps per bucket); kv_cost is measured at start-up. Used by
+read) + req_cost * (requests in the step). f is measured at start-up over the row buckets the engine uses and refined online from the
+steps actually run (medians of recent steps per bucket); kv_cost and req_cost are measured at
+start-up. Used by
 the verify budget to turn a candidate number of rows into time.
 
 Why two terms: attention reads every request's whole context, so two steps of the same rows cost
 differently with different requests behind them (30 requests verifying 80 rows vs 64 requests
-decoding 64 rows; short contexts at start-up vs long ones late in a run). One decision varies only
-the rows of a fixed set of requests: folding the context term into f made extra verify rows look
-as dear as extra requests (on the CPU, ~2 ms per row vs ~8 us per context token).
+decoding 64 rows; short contexts at start-up vs long ones late in a run), and per-request work
+(attention tiles, split-KV combines) likewise. One decision varies only the rows of a fixed set
+of requests: folding these terms into f made extra verify rows look as dear as extra requests
+(start-up steps are decode-shaped, one request per row; verify steps carry 1 + k rows each).
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ import numpy as np
 
 class StepCostCurve:
     def __init__(
-        self, buckets: list[int], window: int = 32, padded: bool = False, kv_cost: float = 0.0
+        self,
+        buckets: list[int],
+        window: int = 32,
+        padded: bool = False,
+        kv_cost: float = 0.0,
+        req_cost: float = 0.0,
     ) -> None:
         self.buckets = sorted(set(buckets))
         self.kv_cost = kv_cost  # seconds per context token read (0: f holds everything)
+        self.req_cost = req_cost  # seconds per request in the step
         # padded: steps of up to the largest bucket run padded to their bucket (CUDA graphs and
         # their eager twin), so the cost is a step function - a row that stays inside its
         # bucket costs nothing. Otherwise (CPU: exact rows) linear between buckets.
@@ -64,15 +72,15 @@ class StepCostCurve:
             self._dirty.add(i)
         self._envelope = None
 
-    def record(self, rows: int, seconds: float, kv_tokens: int = 0) -> None:
-        """An observed step of `rows` rows whose requests read `kv_tokens` context tokens. It
-        refines f at the bucket at or above `rows`, scaled by the curve's own ratio so a 37-row
+    def record(self, rows: int, seconds: float, kv_tokens: int = 0, requests: int = 0) -> None:
+        """An observed step of `rows` rows of `requests` requests that read `kv_tokens` context
+        tokens. It refines f at the bucket at or above `rows`, scaled by the curve's own ratio so a 37-row
         step informs the 48-row bucket without biasing it."""
         if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
             return  # past the largest bucket: extrapolated, never folded into it
-        # the context term out; never below a tenth of the step (a kv_cost measured too high
-        # must not drive f to zero)
-        seconds = max(seconds - self.kv_cost * kv_tokens, 0.1 * seconds)
+        # the fixed terms out; never below a tenth of the step (costs measured too high must not
+        # drive f to zero)
+        seconds = max(seconds - self.fixed(kv_tokens, requests), 0.1 * seconds)
         i = self._bucket_at_or_above(rows)
         b = self.buckets[i]
         if self._samples[i] and rows != b:
@@ -87,9 +95,13 @@ class StepCostCurve:
         self._envelope = None
 
     # -- evaluation -----------------------------------------------------------------------------
-    def at(self, rows: int, kv_tokens: int) -> float:
-        """Seconds of a step of `rows` rows whose requests read `kv_tokens` context tokens."""
-        return self(rows) + self.kv_cost * kv_tokens
+    def fixed(self, kv_tokens: int, requests: int) -> float:
+        """The part of a step's time set by its requests, whatever their rows."""
+        return self.kv_cost * kv_tokens + self.req_cost * requests
+
+    def at(self, rows: int, kv_tokens: int, requests: int) -> float:
+        """Seconds of a step of `rows` rows of `requests` requests reading `kv_tokens` tokens."""
+        return self(rows) + self.fixed(kv_tokens, requests)
 
     def __call__(self, rows: int) -> float:
         """f(rows): the part of a step's time that depends on its rows."""
@@ -222,6 +234,7 @@ class StepCostCurve:
                 {
                     "buckets": self.buckets,
                     "kv_cost": self.kv_cost,
+                    "req_cost": self.req_cost,
                     "samples": [list(s) for s in self._samples],
                 }
             )
@@ -233,9 +246,9 @@ class StepCostCurve:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        if data.get("buckets") != sorted(set(buckets)) or "kv_cost" not in data:
+        if data.get("buckets") != sorted(set(buckets)) or "req_cost" not in data:
             return None
-        curve = cls(buckets, padded=padded, kv_cost=float(data["kv_cost"]))
+        curve = cls(buckets, padded=padded, kv_cost=data["kv_cost"], req_cost=data["req_cost"])
         for dq, s in zip(curve._samples, data["samples"]):
             dq.extend(s)
         return curve

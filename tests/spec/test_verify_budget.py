@@ -341,34 +341,44 @@ def test_step_cost_separates_the_context_term_from_rows(tmp_path):
     for _ in range(3):  # 32 rows of requests reading 4,000 context tokens: 0.32 + 0.4 s
         curve.record(32, 0.72, kv_tokens=4000)
     assert curve(32) == pytest.approx(0.32)
-    assert curve.at(32, 10_000) == pytest.approx(1.32)
-    assert curve.at(64, 0) == pytest.approx(0.64)
+    assert curve.at(32, 10_000, 0) == pytest.approx(1.32)
+    assert curve.at(64, 0, 0) == pytest.approx(0.64)
+    per_request = StepCostCurve([16, 32, 64], req_cost=0.01)
+    per_request.calibrate(lambda rows: 0.01 * rows, reps=1)
+    for _ in range(3):  # 32 rows of 8 requests (4 rows each): 0.32 + 0.08 s
+        per_request.record(32, 0.40, requests=8)
+    assert per_request(32) == pytest.approx(0.32)
+    assert per_request.at(32, 0, 32) == pytest.approx(0.64)  # 32 requests of 1 row
     curve.record(16, 0.05, kv_tokens=10**6)  # kv_cost too high for this step: f stays positive
     assert curve(16) == pytest.approx(0.005)
     path = tmp_path / "c.json"
     curve.save(path)
     again = StepCostCurve.load(path, [16, 32, 64])
     assert again is not None and again.kv_cost == pytest.approx(1e-4)
-    path.write_text(path.read_text().replace('"kv_cost"', '"old"'))  # a cache from before
+    path.write_text(path.read_text().replace('"req_cost"', '"old"'))  # a cache from before
     assert StepCostCurve.load(path, [16, 32, 64]) is None
 
 
 def test_calibration_measures_the_context_cost_and_rows_apart():
     """Start-up calibration against a device whose step costs 1 ms + 2 ms per row + 5 us per
-    context token: kv_cost and f come out right, whatever contexts the synthetic steps use."""
+    context token + 0.3 ms per request: kv_cost, req_cost and f come out right, whatever
+    contexts and request counts the synthetic steps use."""
     from types import SimpleNamespace
 
     from specserve.spec import budget_policy as bp
 
     calls = []
 
-    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT):
-        n_req = min(rows, 8)
-        calls.append((rows, context))
-        return 1e-3 + 2e-3 * rows + 5e-6 * n_req * (context + 1)
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
+        n_req = n_req or min(rows, 8)
+        calls.append((rows, context, n_req))
+        return 1e-3 + 2e-3 * rows + 5e-6 * n_req * context + 3e-4 * n_req
 
     eng = SimpleNamespace(
-        config=SimpleNamespace(max_num_seqs=8), max_num_batched_tokens=64, max_model_len=2048
+        config=SimpleNamespace(max_num_seqs=8),
+        max_num_batched_tokens=64,
+        max_model_len=2048,
+        slot_pool=SimpleNamespace(k=3),
     )
     policy = bp.VerifyBudgetPolicy.__new__(bp.VerifyBudgetPolicy)
     policy.engine = eng
@@ -376,9 +386,11 @@ def test_calibration_measures_the_context_cost_and_rows_apart():
     policy.engine.runner = SimpleNamespace(graphs=None)
     curve = policy._load_or_calibrate([1, 8, 16, 40], None)
     assert curve.kv_cost == pytest.approx(5e-6)
+    assert curve.req_cost == pytest.approx(3e-4)
     for rows in (1, 8, 16, 40):
-        assert curve(rows) == pytest.approx(1e-3 + 2e-3 * rows + 5e-6 * min(rows, 8))
-    assert {bp.CALIBRATION_CONTEXT, bp.KV_CALIBRATION_CONTEXT} <= {c for _, c in calls}
+        assert curve(rows) == pytest.approx(1e-3 + 2e-3 * rows)
+    assert {bp.CALIBRATION_CONTEXT, bp.KV_CALIBRATION_CONTEXT} <= {c for _, c, _ in calls}
+    assert (8, bp.CALIBRATION_CONTEXT, 2) in calls  # verify-shaped: 4 rows per request
 
 
 def test_long_contexts_make_verify_rows_relatively_cheap():
