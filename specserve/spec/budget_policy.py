@@ -154,11 +154,11 @@ class VerifyBudgetPolicy:
     def _synthetic_step(
         self, rows: int, context: int = CALIBRATION_CONTEXT, n_req: int | None = None
     ) -> float:
-        """One forward + logits of `rows` decode/verify rows (one request per row up to
-        max_num_seqs), each request over `context` tokens. The KV blocks are the free ones,
-        distinct per request as far as they go (start-up: no request holds any, and a request
-        writes every position before reading it), so the reads cost what real ones do rather
-        than hitting one cached block."""
+        """One forward + logits of `rows` decode/verify rows of `n_req` requests (default: one
+        per row, up to max_num_seqs), each request over `context` tokens. The KV blocks are the
+        free ones, distinct per request as far as they go (start-up: no request holds any, and a
+        request writes every position before reading it), so the reads cost what real ones do
+        rather than hitting one cached block."""
         eng = self.engine
         n_req = n_req or max(1, min(rows, eng.config.max_num_seqs))
         per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]

@@ -1,14 +1,14 @@
 """The step-cost model: step time = f(total rows) + kv_cost * (context tokens the step's requests
-read) + req_cost * (requests in the step). f is measured at start-up over the row buckets the engine uses and refined online from the
-steps actually run (medians of recent steps per bucket); kv_cost and req_cost are measured at
-start-up. Used by
-the verify budget to turn a candidate number of rows into time.
+read) + req_cost * (requests in the step). f is measured at start-up over the row buckets the
+engine uses and refined online from the steps actually run (medians of recent steps per bucket);
+kv_cost and req_cost are measured at start-up. Used by the verify budget to turn a candidate
+number of rows into time.
 
-Why two terms: attention reads every request's whole context, so two steps of the same rows cost
-differently with different requests behind them (30 requests verifying 80 rows vs 64 requests
-decoding 64 rows; short contexts at start-up vs long ones late in a run), and per-request work
-(attention tiles, split-KV combines) likewise. One decision varies only the rows of a fixed set
-of requests: folding these terms into f made extra verify rows look as dear as extra requests
+Why the two fixed terms: attention reads every request's whole context, so two steps of the same
+rows cost differently with different requests behind them (30 requests verifying 80 rows vs 64
+requests decoding 64 rows; short contexts at start-up vs long ones late in a run), and per-request
+work (attention tiles, split-KV combines) likewise. One decision varies only the rows of a fixed
+set of requests: folding these terms into f made extra verify rows look as dear as extra requests
 (start-up steps are decode-shaped, one request per row; verify steps carry 1 + k rows each).
 """
 
@@ -74,8 +74,8 @@ class StepCostCurve:
 
     def record(self, rows: int, seconds: float, kv_tokens: int = 0, requests: int = 0) -> None:
         """An observed step of `rows` rows of `requests` requests that read `kv_tokens` context
-        tokens. It refines f at the bucket at or above `rows`, scaled by the curve's own ratio so a 37-row
-        step informs the 48-row bucket without biasing it."""
+        tokens. It refines f at the bucket at or above `rows`, scaled by the curve's own ratio so
+        a 37-row step informs the 48-row bucket without biasing it."""
         if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
             return  # past the largest bucket: extrapolated, never folded into it
         # the fixed terms out; never below a tenth of the step (costs measured too high must not
