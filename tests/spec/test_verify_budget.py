@@ -422,3 +422,21 @@ def test_step_cost_span_equals_pointwise_evaluation(padded):
         curve.record(rows, 0.02 + rng.random() * 1e-3, kv_tokens=rows * 10)
     assert curve.span(1, 60) == [curve(r) for r in range(1, 61)]
     assert curve.span(17, 17) == [curve(17)]
+
+
+def test_per_request_cost_is_fixed_within_a_decision():
+    """f(rows) holds no per-request work: a decision over 16 requests adds req_cost * 16 to
+    every candidate, so a draft that does not pay against f alone pays next to it."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    drafts, confs = [[1]] * 16, [[0.5]] * 16
+    ready = [SimpleNamespace(num_tokens=100)] * 16
+    for req_cost, kept in ((0.0, [0] * 16), (0.25, [1] * 16)):
+        curve = StepCostCurve([16, 32, 64], req_cost=req_cost)
+        curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
+        p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+        # without: 16 / 1.0 beats 24 / 2.0; with +4.0: 24 / 6.0 beats 16 / 5.0
+        assert p.trim(ready, drafts, confs) == kept
