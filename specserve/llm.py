@@ -196,7 +196,9 @@ class LLM:
             "verify_budget_offered_draft_rows": b.offered_rows,
             "verify_budget_chosen_draft_rows": b.chosen_rows,
             "verify_budget_expected_accepted_tokens": b.expected_accepted,
-            "step_cost_curve": b.curve.points(),
+            "step_cost_curve": b.curve.points(),  # f(rows): without the two terms below
+            "step_cost_kv_seconds_per_token": b.curve.kv_cost,
+            "step_cost_seconds_per_request": b.curve.req_cost,
             # overlapped plain decoding: its step-cost curve and how often it beat speculation
             "plain_step_cost_curve": b.plain.points() if b.plain is not None else None,
             "verify_budget_plain_chosen": b.plain_chosen,

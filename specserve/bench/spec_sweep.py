@@ -212,6 +212,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(x) for x in args.concurrency.split(",")]
     points: list[SweepPoint] = []
     request_sets: dict[int, list[tuple[list[int], Any]]] = {}
+    budget: dict[int, dict[str, Any]] = {}  # the auto engine's step-cost model after each level
     if args.interleave:
         # all three engines alive at once; each repeat runs off, fixed, auto back to back, so a
         # drift of the machine (clocks, neighbours) hits every mode alike
@@ -227,6 +228,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                     runs[m].append(_closed_loop(llm, requests, c))
             for m, llm in engines.items():
                 points.append(_point(m, c, requests, runs[m], before[m], _counters(llm)))
+            budget[c] = _budget_state(engines["auto"])
         del engines
         free_memory()
     else:
@@ -238,6 +240,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 before = _counters(llm)
                 loops = [_closed_loop(llm, requests, c) for _ in range(args.repeats)]
                 points.append(_point(mode, c, requests, loops, before, _counters(llm)))
+                if mode == "auto":
+                    budget[c] = _budget_state(llm)
             del llm
             free_memory()  # before the next mode's engine sizes its KV cache from free memory
     report = {
@@ -248,6 +252,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "hardware": hardware_info(),
         "software": software_info(),
         "points": [p.__dict__ | {"tok_s": p.tok_s} for p in points],
+        "auto_budget": budget,
         "checks": _checks(points, levels, outputs_must_match=args.method == "golden"),
     }
     if args.json_path:
@@ -258,6 +263,22 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for line in report["checks"]["lines"]:
         print(line)
     return report
+
+
+def _budget_state(llm) -> dict[str, Any]:
+    """What the auto engine's verify budget believes: its step-cost model and choices so far."""
+    m = llm.get_metrics()
+    keys = (
+        "step_cost_kv_seconds_per_token",
+        "step_cost_seconds_per_request",
+        "step_cost_curve",
+        "plain_step_cost_curve",
+        "verify_budget_sync_overhead_seconds",
+        "verify_budget_plain_chosen",
+        "verify_budget_offered_draft_rows",
+        "verify_budget_chosen_draft_rows",
+    )
+    return {k: m.get(k) for k in keys}
 
 
 def _verify_rows(llm) -> int:

@@ -91,6 +91,9 @@ def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
     assert pts[("off", 1)]["output_digest"] == digest(gold)
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["settings"]["method"] == "golden" and "command" in saved
+    # the auto engine's step-cost model is kept per level (JSON keys are strings)
+    assert set(saved["auto_budget"]) == {"1", "2"}
+    assert saved["auto_budget"]["2"]["step_cost_kv_seconds_per_token"] >= 0
 
 
 @pytest.mark.usefixtures("single_thread")
