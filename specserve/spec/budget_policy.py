@@ -115,6 +115,11 @@ class VerifyBudgetPolicy:
                 curve.save(path)
         return curve
 
+    def _full_step_rows(self) -> int:
+        """Rows of the fixed-cost measurements: as many one-row requests as a step holds."""
+        eng = self.engine
+        return max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
+
     def _measure_kv_cost(self, reps: int = 3) -> float:
         """Seconds per context token a step's requests read: synthetic decode steps of the same
         rows (one per request, as many requests as a step holds) at three context lengths; the
@@ -124,7 +129,7 @@ class VerifyBudgetPolicy:
         long_ctx = min(KV_CALIBRATION_CONTEXT, eng.max_model_len - 2)
         if long_ctx <= CALIBRATION_CONTEXT:
             return 0.0
-        rows = max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
+        rows = self._full_step_rows()
         samples: list[tuple[int, float]] = []
         for ctx in (CALIBRATION_CONTEXT, (CALIBRATION_CONTEXT + long_ctx) // 2, long_ctx):
             self._synthetic_step(rows, ctx)  # warm-up: buffers for this context
@@ -140,7 +145,7 @@ class VerifyBudgetPolicy:
         their context terms taken out."""
         eng = self.engine
         per = 1 + eng.slot_pool.k
-        rows = max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
+        rows = self._full_step_rows()
         few = -(-rows // per)
         if few >= rows:
             return 0.0
@@ -148,7 +153,7 @@ class VerifyBudgetPolicy:
         for n_req in (rows, few):
             self._synthetic_step(rows, n_req=n_req)  # warm-up
             t = statistics.median(self._synthetic_step(rows, n_req=n_req) for _ in range(reps))
-            times.append(t - kv_cost * n_req * CALIBRATION_CONTEXT)
+            times.append(t - kv_cost * n_req * CALIBRATION_CONTEXT)  # context term out
         return max(0.0, (times[0] - times[1]) / (rows - few))
 
     def _synthetic_step(
