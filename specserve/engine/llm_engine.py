@@ -382,10 +382,11 @@ class LLMEngine:
             # folding them in made verify rows look cheap.
             now = time.perf_counter()
             kv = sum(batch.starts) + batch.num_rows  # context tokens its requests read
-            if not launched.overlapped and all(batch.samples):
+            shaped = batch.is_decode_shaped
+            if not launched.overlapped and shaped:
                 self.budget.record_step(batch.num_rows, now - launched.t0, kv, len(seqs))
                 self._launch_to_readback = now - launched.t0
-            elif launched.overlapped and self._last_readback is not None and all(batch.samples):
+            elif launched.overlapped and self._last_readback is not None and shaped:
                 # overlapped: a step's launch-to-readback also spans its predecessor; in steady
                 # state the step costs the time between consecutive readbacks
                 self.budget.record_plain_step(

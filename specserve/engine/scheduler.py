@@ -35,6 +35,15 @@ class StepBatch:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def is_decode_shaped(self) -> bool:
+        """Every request feeds its anchor row and drafts, all wanting logits (no prompt chunk):
+        the steps the verify budget prices. A request completing its prompt samples too, but
+        its chunk's rows cost far less per row than decode rows."""
+        return all(
+            sm and q == 1 + d for sm, q, d in zip(self.samples, self.query_lens, self.num_drafts)
+        )
+
 
 class Scheduler:
     def __init__(

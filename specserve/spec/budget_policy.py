@@ -8,6 +8,7 @@ import hashlib
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,7 +109,8 @@ class VerifyBudgetPolicy:
 
             def f(rows: int) -> float:  # the step without its fixed terms
                 n_req = max(1, min(rows, self.engine.config.max_num_seqs))
-                return self._synthetic_step(rows) - curve.fixed(n_req * CALIBRATION_CONTEXT, n_req)
+                secs = self._synthetic_step(rows)
+                return curve.rows_part(secs, n_req * CALIBRATION_CONTEXT, n_req)
 
             curve.calibrate(f, reps=2)
             if path is not None:
@@ -304,8 +306,11 @@ class _Offset:
     def __call__(self, rows: int) -> float:
         return self.curve(rows) + self.add
 
-    def span(self, lo: int, hi: int) -> list[float]:
-        return [t + self.add for t in self.curve.span(lo, hi)]
+    def values(self, rows: Iterable[int]) -> list[float]:
+        return [t + self.add for t in self.curve.values(rows)]
+
+    def stops(self, lo: int, hi: int) -> list[int] | None:
+        return self.curve.stops(lo, hi)  # a constant moves no total's rank
 
     def many(self, rows: np.ndarray) -> np.ndarray:
         return self.curve.many(rows) + self.add

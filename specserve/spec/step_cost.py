@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
+
+# f keeps at least this share of a step's time when the fixed terms are taken out: fixed costs
+# measured too high (the CPU's context cost varies 2-3x between start-ups) must not drive f to
+# zero or below, where the curve's own ratios blow up
+MIN_ROW_SHARE = 0.1
+MIN_REAL = 3  # real steps a bucket needs before they replace its start-up samples
 
 
 class StepCostCurve:
@@ -44,6 +51,7 @@ class StepCostCurve:
         # buckets that have seen a real step: their start-up (or cached) samples are dropped then,
         # since a calibration run on a busy machine can be far off and would never be outvoted
         self._observed = [False] * len(self.buckets)
+        self._first: list[list[float]] = [[] for _ in self.buckets]  # real steps before MIN_REAL
         # the start-up median of each bucket once observed. Buckets not yet observed are priced
         # at their start-up value scaled by the real/start-up ratio of the nearest observed
         # bucket: the start-up shape, at the level of real steps (which carry sampling, verify
@@ -78,21 +86,33 @@ class StepCostCurve:
         a 37-row step informs the 48-row bucket without biasing it."""
         if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
             return  # past the largest bucket: extrapolated, never folded into it
-        # the fixed terms out; never below a tenth of the step (costs measured too high must not
-        # drive f to zero)
-        seconds = max(seconds - self.fixed(kv_tokens, requests), 0.1 * seconds)
+        seconds = self.rows_part(seconds, kv_tokens, requests)
         i = self._bucket_at_or_above(rows)
         b = self.buckets[i]
         if self._samples[i] and rows != b:
-            seconds *= self(b) / max(self(rows), 1e-12)
+            at_b, at_rows = self(b), self(rows)
+            if at_b > 0 and at_rows > 0:
+                seconds *= at_b / at_rows
         if not self._observed[i]:
+            # a bucket switches to real steps once it has MIN_REAL of them: alone, one slow first
+            # step (a kernel compiled for a new shape: 2.5 s on the H200) would be its median
+            self._first[i].append(seconds)
+            if len(self._first[i]) < MIN_REAL:
+                return
             self._observed[i] = True
             if self._samples[i]:
                 self._calib[i] = statistics.median(self._samples[i])
             self._samples[i].clear()
-        self._samples[i].append(seconds)
+            self._samples[i].extend(self._first[i])
+            self._first[i].clear()
+        else:
+            self._samples[i].append(seconds)
         self._dirty.add(i)
         self._envelope = None
+
+    def rows_part(self, seconds: float, kv_tokens: int, requests: int) -> float:
+        """A measured step's f: its seconds less the fixed terms, at least MIN_ROW_SHARE of it."""
+        return max(seconds - self.fixed(kv_tokens, requests), MIN_ROW_SHARE * seconds)
 
     # -- evaluation -----------------------------------------------------------------------------
     def fixed(self, kv_tokens: int, requests: int) -> float:
@@ -118,12 +138,12 @@ class StepCostCurve:
         w = (rows - lo) / (hi - lo)
         return env[i - 1] * (1 - w) + env[i] * w
 
-    def span(self, lo: int, hi: int) -> list[float]:
-        """[self(r) for r in lo..hi] with the same float arithmetic, in one walk over the
-        buckets: the chooser prices every candidate total of a step (a call each cost ~5 us)."""
+    def values(self, rows: Iterable[int]) -> list[float]:
+        """[self(r) for r in rows] (rows ascending) with the same float arithmetic, in one walk
+        over the buckets: the chooser prices many candidate totals a step (a call each ~5 us)."""
         env, bs = self._curve(), self.buckets
         out, i = [], 0
-        for r in range(lo, hi + 1):
+        for r in rows:
             if r <= bs[0]:
                 out.append(env[0])
             elif r >= bs[-1]:
@@ -137,6 +157,21 @@ class StepCostCurve:
                     b0, b1 = bs[i - 1], bs[i]
                     w = (r - b0) / (b1 - b0)
                     out.append(env[i - 1] * (1 - w) + env[i] * w)
+        return out
+
+    def stops(self, lo: int, hi: int) -> list[int] | None:
+        """The totals in lo..hi that can maximise tokens / time (ascending), or None for all of
+        them. Padded, f is constant over each bucket's rows, where more rows only bring more
+        tokens: the top of each bucket's segment (and every total past the largest bucket,
+        where f grows with rows) is enough. ~30 totals instead of 257 at 64 requests x 4
+        drafts, 1,025 at 256: the chooser runs every step."""
+        if not self.padded:
+            return None
+        bs = self.buckets
+        out = [b for b in bs[bisect.bisect_left(bs, lo) :] if b <= hi]
+        if hi < bs[-1] and (not out or out[-1] != hi):
+            out.append(hi)  # hi inside a bucket's segment: the top of what is reachable
+        out.extend(range(max(lo, bs[-1] + 1), hi + 1))
         return out
 
     def many(self, rows: np.ndarray) -> np.ndarray:
@@ -248,7 +283,10 @@ class StepCostCurve:
             return None
         if data.get("buckets") != sorted(set(buckets)) or "req_cost" not in data:
             return None
+        samples = data["samples"]
+        if not all(math.isfinite(x) and x > 0 for s in samples for x in s):
+            return None  # written before f was kept positive: recalibrate
         curve = cls(buckets, padded=padded, kv_cost=data["kv_cost"], req_cost=data["req_cost"])
-        for dq, s in zip(curve._samples, data["samples"]):
+        for dq, s in zip(curve._samples, samples):
             dq.extend(s)
         return curve

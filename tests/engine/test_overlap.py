@@ -241,6 +241,41 @@ def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     assert budget.sync_overhead == statistics.median(seen[-16:]) > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_only_decode_shaped_steps_price_the_step_cost_curves(overlap):
+    """A step that completes a prompt samples too, but its chunk's rows are not decode rows:
+    folded into the curves, a first prefill (eager, compiling kernels: 2.5 s on the H200 where
+    a decode step takes 6 ms) priced every bucket near it 3x too high, and overlapped ones set
+    the plain curve 4x too low. Only steps whose every request feeds its anchor row and drafts
+    are recorded, with those rows."""
+    prompts = prompts_of([12, 30, 8, 21])
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
+    eng = llm.engine
+    shapes = []
+    real_launch = eng._launch
+
+    def launch(batch, ov):
+        shapes.append((batch.num_rows, len(batch.seqs), sum(batch.num_drafts)))
+        return real_launch(batch, ov)
+
+    eng._launch = launch
+    recorded = []
+    for name in ("record_step", "record_plain_step"):
+        real = getattr(eng.budget, name)
+
+        def spy(rows, secs, kv, requests, real=real):
+            recorded.append((rows, requests))
+            return real(rows, secs, kv, requests)
+
+        setattr(eng.budget, name, spy)
+    _run(llm, prompts, sp)
+    assert recorded
+    decode_shaped = {(rows, n) for rows, n, drafts in shapes if rows == n + drafts}
+    assert all(r in decode_shaped for r in recorded)
+    assert max(rows for rows, _ in recorded) < 30  # never the 30-token prompt's step
+
+
 def test_no_overlap_flag_keeps_speculation_synchronous():
     llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
     assert not llm.engine.overlap and not llm.engine.overlap_when_paused

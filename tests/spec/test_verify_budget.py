@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.spec.step_cost import StepCostCurve
+from specserve.spec.step_cost import MIN_REAL, StepCostCurve
 from specserve.spec.verify_budget import choose_verify_budget, survivals
 
 conf_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=4)
@@ -19,6 +19,12 @@ def _cost_fn(points):
     for rows, t in enumerate(points, start=1):
         curve._samples[rows - 1].append(t * (1 + rows / 8))
     return curve
+
+
+def _observe(curve: StepCostCurve, rows: int, seconds: float, **fixed: int) -> None:
+    """Enough real steps of one bucket for them to replace its start-up samples."""
+    for _ in range(MIN_REAL):
+        curve.record(rows, seconds, **fixed)
 
 
 def _objective(conf, ms, base, cost):
@@ -85,7 +91,7 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
         policy.curve.record(4, 1.05)
     # (unobserved bucket 1 is now priced optimistically, scaled like bucket 4: a plain step runs
     # once and shows its real cost)
-    policy.curve.record(1, 1.0)
+    _observe(policy.curve, 1, 1.0)
     assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
 
 
@@ -298,17 +304,17 @@ def test_unobserved_buckets_follow_the_level_of_real_steps():
     assert after[64] == pytest.approx(0.8 * before[64])
     for b in (16, 32, 80, 96):
         assert after[b] == pytest.approx(0.8 * before[b])
-    curve.record(16, before[16])  # a second observed bucket: each one scales its own side
+    _observe(curve, 16, before[16])  # a second observed bucket: each one scales its own side
     after = dict(curve.points())
     assert after[16] == pytest.approx(before[16])
     # 32 is nearer to 16 (unscaled) than to 64; the envelope keeps it at most 64's price
     assert after[32] == pytest.approx(min(before[32], after[64]))
     assert after[96] == pytest.approx(0.8 * before[96])
-    curve.record(96, 3 * before[96])  # real steps dearer than start-up at 96
+    _observe(curve, 96, 3 * before[96])  # real steps dearer than start-up at 96
     assert dict(curve.points())[80] == pytest.approx(0.8 * before[80])  # nearer to 64 than 96
     fresh = StepCostCurve([16, 32, 64])
     fresh.calibrate(lambda rows: 1.0 + rows / 100, reps=1)
-    fresh.record(16, 2.0)
+    _observe(fresh, 16, 2.0)
     # scaled up too: left at its start-up price, 32 would look cheaper than the measured 16
     # and be tried for nothing
     assert dict(fresh.points())[32] == pytest.approx(1.32 * 2.0 / 1.16)
@@ -349,7 +355,7 @@ def test_step_cost_separates_the_context_term_from_rows(tmp_path):
         per_request.record(32, 0.40, requests=8)
     assert per_request(32) == pytest.approx(0.32)
     assert per_request.at(32, 0, 32) == pytest.approx(0.64)  # 32 requests of 1 row
-    curve.record(16, 0.05, kv_tokens=10**6)  # kv_cost too high for this step: f stays positive
+    _observe(curve, 16, 0.05, kv_tokens=10**6)  # kv_cost too high for this step: f stays positive
     assert curve(16) == pytest.approx(0.005)
     path = tmp_path / "c.json"
     curve.save(path)
@@ -412,16 +418,41 @@ def test_long_contexts_make_verify_rows_relatively_cheap():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_step_cost_span_equals_pointwise_evaluation(padded):
-    """span() prices every candidate total in one walk: float for float what __call__ gives,
+def test_step_cost_values_equal_pointwise_evaluation(padded):
+    """values() prices candidate totals in one walk: float for float what __call__ gives,
     below the first bucket, between buckets, on them and past the last."""
     rng = random.Random(3)
     curve = StepCostCurve([1, 2, 4, 8, 16, 24, 40], padded=padded)
     curve.calibrate(lambda rows: 0.001 * rows + rng.random() * 1e-3, reps=2)
     for rows in (3, 16, 16, 30):
         curve.record(rows, 0.02 + rng.random() * 1e-3, kv_tokens=rows * 10)
-    assert curve.span(1, 60) == [curve(r) for r in range(1, 61)]
-    assert curve.span(17, 17) == [curve(17)]
+    assert curve.values(range(1, 61)) == [curve(r) for r in range(1, 61)]
+    assert curve.values([17]) == [curve(17)]
+    assert curve.values([2, 16, 33, 50]) == [curve(r) for r in (2, 16, 33, 50)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.floats(0.0, 1.0), max_size=5), min_size=1, max_size=40),
+    st.lists(st.floats(0.5, 3.0), min_size=7, max_size=7),
+    st.integers(1, 60),
+    st.integers(1, 200),
+)
+def test_padded_chooser_scores_bucket_tops_only_and_matches_brute_force(conf, pts, base, max_rows):
+    """On a padded curve the chooser scores only stops() (each bucket's top, every total past
+    the largest bucket), through both the loop and numpy: the choice is the one of scoring
+    every total."""
+    curve = StepCostCurve([1, 2, 4, 8, 16, 24, 40], padded=True)
+    level = dict(zip(curve.buckets, pts))
+    curve.calibrate(lambda rows: level[rows] * (1 + rows / 8), reps=1)
+    stops = curve.stops(base, base + 50)
+    assert stops == sorted(set(stops)) and stops[-1] == base + 50
+    assert set(stops) >= {b for b in curve.buckets if base <= b <= base + 50}
+    got = choose_verify_budget(conf, base, curve, max_rows)
+    every = choose_verify_budget(conf, base, lambda rows: curve(rows), max_rows)  # no stops()
+    assert got.num_verify == every.num_verify
+    assert got.total_rows == every.total_rows
+    assert got.expected_tokens == pytest.approx(every.expected_tokens)
 
 
 def test_per_request_cost_is_fixed_within_a_decision():
@@ -440,3 +471,63 @@ def test_per_request_cost_is_fixed_within_a_decision():
         p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
         # without: 16 / 1.0 beats 24 / 2.0; with +4.0: 24 / 6.0 beats 16 / 5.0
         assert p.trim(ready, drafts, confs) == kept
+
+
+def test_fixed_terms_measured_too_high_never_make_the_curve_negative():
+    """A start-up kv_cost above what large synthetic steps cost (seen on the CPU: 27 us/token,
+    so 256 requests x 128 tokens 'cost' more than the whole 0.83 s step) leaves f a share of
+    every step, and real steps folded in through the curve's own ratios stay finite and
+    positive (they compounded to -1e307 and NaN before)."""
+    from types import SimpleNamespace
+
+    from specserve.spec import budget_policy as bp
+
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
+        n_req = n_req or min(rows, 256)
+        if context > bp.CALIBRATION_CONTEXT:  # context cost grows faster at long contexts
+            return 0.05 + 3e-3 * rows + 3e-5 * n_req * context
+        return 0.05 + 3e-3 * rows + 1e-5 * n_req * context
+
+    eng = SimpleNamespace(
+        config=SimpleNamespace(max_num_seqs=256),
+        max_num_batched_tokens=1280,
+        max_model_len=2048,
+        slot_pool=SimpleNamespace(k=4),
+        runner=SimpleNamespace(graphs=None),
+    )
+    policy = bp.VerifyBudgetPolicy.__new__(bp.VerifyBudgetPolicy)
+    policy.engine = eng
+    policy._synthetic_step = synthetic.__get__(policy)
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    curve = policy._load_or_calibrate(buckets, None)
+    assert curve.kv_cost * 256 * bp.CALIBRATION_CONTEXT > synthetic(policy, 256)
+    assert all(t > 0 for _, t in curve.points())
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.randint(1, 600)
+        n = min(rows, 256)
+        curve.record(rows, synthetic(policy, rows, n_req=n), kv_tokens=n * 200, requests=n)
+    assert all(math.isfinite(t) and t > 0 for _, t in curve.points())
+    assert all(math.isfinite(curve(r)) and curve(r) > 0 for r in range(1, 700))
+
+
+def test_a_cached_curve_with_non_positive_samples_is_recalibrated(tmp_path):
+    curve = StepCostCurve([1, 2, 4])
+    curve.calibrate(lambda rows: 0.01 * rows, reps=1)
+    path = tmp_path / "c.json"
+    curve.save(path)
+    assert StepCostCurve.load(path, [1, 2, 4]) is not None
+    path.write_text(path.read_text().replace("0.04", "-0.04"))
+    assert StepCostCurve.load(path, [1, 2, 4]) is None
+
+
+def test_one_slow_first_step_does_not_set_a_bucket():
+    """A bucket's first real steps replace its start-up samples only MIN_REAL at a time: one
+    step that compiled a kernel (2.5 s where steps take 6 ms) must not become its median."""
+    curve = StepCostCurve([8, 16, 32], padded=True)
+    curve.calibrate(lambda rows: 0.005, reps=2)
+    curve.record(32, 2.5)
+    assert curve(32) == pytest.approx(0.005)
+    for _ in range(MIN_REAL - 1):
+        curve.record(32, 0.006)
+    assert curve(32) == pytest.approx(0.006)
