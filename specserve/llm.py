@@ -205,6 +205,7 @@ class LLM:
             "verify_budget_draft_seconds": b.draft_time,  # median drafter time per step
             # host time a synchronous step adds to launch-to-readback (median; drafting in it)
             "verify_budget_sync_overhead_seconds": b.sync_overhead,
+            "verify_budget_trim_seconds": b.trim_time,  # median host time of one decision
         }
 
     def get_metrics(self) -> dict[str, Any]:

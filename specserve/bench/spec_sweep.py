@@ -274,6 +274,7 @@ def _budget_state(llm) -> dict[str, Any]:
         "step_cost_curve",
         "plain_step_cost_curve",
         "verify_budget_sync_overhead_seconds",
+        "verify_budget_trim_seconds",
         "verify_budget_plain_chosen",
         "verify_budget_offered_draft_rows",
         "verify_budget_chosen_draft_rows",

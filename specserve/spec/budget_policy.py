@@ -77,6 +77,7 @@ class VerifyBudgetPolicy:
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
         # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
+        self._trim_times: deque[float] = deque(maxlen=32)  # host seconds of recent trim() calls
         # host seconds a synchronous step adds to its launch-to-readback time (recent median)
         self._sync_overheads: deque[float] = deque(maxlen=16)
         # the confidences of the last round that drafted (requests with drafts): what the end
@@ -189,6 +190,10 @@ class VerifyBudgetPolicy:
     def draft_time(self) -> float:
         return statistics.median(self._draft_times) if self._draft_times else 0.0
 
+    @property
+    def trim_time(self) -> float:
+        return statistics.median(self._trim_times) if self._trim_times else 0.0
+
     def record_sync_overhead(self, seconds: float) -> None:
         if seconds >= 0:
             self._sync_overheads.append(seconds)
@@ -241,6 +246,7 @@ class VerifyBudgetPolicy:
         self, ready: list[Sequence], drafts: list[list[int]], confs: list[list[float]]
     ) -> list[int]:
         """How many drafts each ready request verifies next step."""
+        t0 = time.perf_counter()
         base = self.base_rows(len(ready))
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         self._last_round = [c for c in usable if c]
@@ -261,6 +267,7 @@ class VerifyBudgetPolicy:
         self.offered_rows += sum(len(d) for d in drafts)
         self.chosen_rows += sum(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
+        self._trim_times.append(time.perf_counter() - t0)
         return keep
 
     def _explore(self, confs: list[list[float]], keep: list[int], extra: int) -> list[int]:

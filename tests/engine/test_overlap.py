@@ -239,6 +239,8 @@ def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     _run(llm, prompts, sp)
     assert len(seen) >= 10 and min(seen) >= 0.0  # one per decode step but the last
     assert budget.sync_overhead == statistics.median(seen[-16:]) > 0
+    m = llm.get_metrics()  # and what one decision costs on the host (median)
+    assert 0 < m["verify_budget_trim_seconds"] < m["verify_budget_sync_overhead_seconds"] * 10
 
 
 @pytest.mark.parametrize("overlap", [False, True])
