@@ -1,0 +1,11 @@
+#!/bin/bash
+# Session 5, device call 4: R = 0.5 and R = 0.8 sweeps on the final code, two requests per slot
+# (runs twice as long at C >= 16: at C = 16 a run was 0.3 s, 44 steps, and the repeats of one
+# mode spread 5843..6795 tok/s in call 3).
+export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+S="python3 -m specserve.cli.main bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats 5 --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
+for R in 08 05; do
+  N=sweep_golden_r${R}_llama8b_s5c
+  [ $R = 08 ] && T=250 || T=310
+  /usr/bin/time -f "%e s" timeout $T $S --acceptance-rate 0.${R#0} --json $OUT/$N.json --plot $OUT/$N.png 2>&1 | grep -v "it/s\]" | grep "C=\|Error\|error\| s$" | tail -22
+done
