@@ -114,6 +114,8 @@ class VerifyBudgetPolicy:
                 return curve.rows_part(secs, n_req * CALIBRATION_CONTEXT, n_req)
 
             curve.calibrate(f, reps=2)
+            if not padded:
+                curve.smooth_to_line()
             if path is not None:
                 curve.save(path)
         return curve

@@ -531,3 +531,22 @@ def test_one_slow_first_step_does_not_set_a_bucket():
     for _ in range(MIN_REAL - 1):
         curve.record(32, 0.006)
     assert curve(32) == pytest.approx(0.006)
+
+
+def test_cpu_start_up_values_are_the_robust_line_and_neighbours_shift_at_most_2x():
+    """CPU start-up samples are smoothed to the Theil-Sen line through their medians (one wild
+    bucket does not set its neighbours' price), and an unobserved bucket moves with its real
+    neighbour by at most MAX_LEVEL_SHIFT (a start-up value far too low at 64 rows made 80 rows
+    look 4x dearer than they are, so auto trimmed drafts that paid at C = 16)."""
+    from specserve.spec.step_cost import MAX_LEVEL_SHIFT
+
+    buckets = [1, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80]
+    wild = {40: 0.170, 64: 0.031}  # off 3x either way
+    curve = StepCostCurve(buckets)
+    curve.calibrate(lambda rows: wild.get(rows, 0.05 + 0.001 * rows), reps=2)
+    curve.smooth_to_line()
+    for b in buckets:
+        assert curve(b) == pytest.approx(0.05 + 0.001 * b)
+    _observe(curve, 80, 0.5)  # real steps 3.8x the start-up line at 80
+    assert curve(80) == pytest.approx(0.5)
+    assert curve(72) == pytest.approx(MAX_LEVEL_SHIFT * (0.05 + 0.072))
