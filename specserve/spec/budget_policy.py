@@ -114,10 +114,10 @@ class VerifyBudgetPolicy:
                 return curve.rows_part(secs, n_req * CALIBRATION_CONTEXT, n_req)
 
             curve.calibrate(f, reps=2)
-            if not padded:
-                curve.smooth_to_line()
             if path is not None:
-                curve.save(path)
+                curve.save(path)  # the raw samples: smoothing is a choice of this code
+        if not padded:
+            curve.smooth_to_line()
         return curve
 
     def _full_step_rows(self) -> int:
