@@ -24,6 +24,19 @@ def test_checks_flag_a_point_where_auto_loses_to_off():
     assert "C=1" in checks["lines"][0] and checks["lines"][0].endswith("ok")
 
 
+def test_checks_also_report_the_median_of_per_repeat_ratios():
+    """Repeats run the modes back to back: the median of per-repeat auto / best ratios is
+    printed next to the check (which stays on the median runs)."""
+
+    def pt(mode, runs):
+        return SweepPoint(mode, 4, 8, 100, 1.0, 1.0, 0.0, repeats_tok_s=runs)
+
+    pts = [pt("off", [50, 100, 60]), pt("fixed", [80, 200, 90]), pt("auto", [78, 190, 91])]
+    line = _checks(pts, [4])["lines"][0]
+    # per repeat: 78/80, 190/200, 91/90 -> median 0.975
+    assert "paired auto/best 0.975" in line
+
+
 def test_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
     args = argparse.Namespace(
         model="dummy:tiny",
