@@ -147,7 +147,7 @@ class StepCostCurve:
         bs = self.buckets
         if rows <= bs[0]:
             return env[0]
-        if rows >= bs[-1]:
+        if rows > bs[-1]:  # past the largest bucket (at it: its own value, exactly)
             return env[-1] * rows / bs[-1]
         i = self._bucket_at_or_above(rows)
         if self.padded:
@@ -164,7 +164,7 @@ class StepCostCurve:
         for r in rows:
             if r <= bs[0]:
                 out.append(env[0])
-            elif r >= bs[-1]:
+            elif r > bs[-1]:
                 out.append(env[-1] * r / bs[-1])
             else:
                 while bs[i] < r:
@@ -202,7 +202,7 @@ class StepCostCurve:
         w = (r - lo) / np.maximum(hi - lo, 1)
         out = env[i] if self.padded else env[i - 1] * (1 - w) + env[i] * w
         out = np.where(rows <= bs[0], env[0], out)
-        return np.where(rows >= bs[-1], env[-1] * r / bs[-1], out)
+        return np.where(rows > bs[-1], env[-1] * r / bs[-1], out)
 
     def _curve(self) -> list[float]:
         if self._envelope is None:

@@ -3,7 +3,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specserve.spec.step_cost import MIN_REAL, StepCostCurve
@@ -438,6 +438,8 @@ def test_step_cost_values_equal_pointwise_evaluation(padded):
     st.integers(1, 60),
     st.integers(1, 200),
 )
+# at the largest bucket f was env * 40 / 40, one ulp above the same bucket's value at 39 rows
+@example([[1.0] * 4] + [[1.0] * 5] * 3 + [[1.0] * 4 + [1e-308]], [1.0] * 6 + [0.6], 16, 40)
 def test_padded_chooser_scores_bucket_tops_only_and_matches_brute_force(conf, pts, base, max_rows):
     """On a padded curve the chooser scores only stops() (each bucket's top, every total past
     the largest bucket), through both the loop and numpy: the choice is the one of scoring
