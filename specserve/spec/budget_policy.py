@@ -17,7 +17,7 @@ import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
-from specserve.spec.step_cost import StepCostCurve
+from specserve.spec.step_cost import StepCostCurve, theil_sen
 from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
 
 if TYPE_CHECKING:
@@ -135,14 +135,15 @@ class VerifyBudgetPolicy:
         if long_ctx <= CALIBRATION_CONTEXT:
             return 0.0
         rows = self._full_step_rows()
-        samples: list[tuple[int, float]] = []
+        ctxs: list[int] = []
+        times: list[float] = []
         for ctx in (CALIBRATION_CONTEXT, (CALIBRATION_CONTEXT + long_ctx) // 2, long_ctx):
             self._synthetic_step(rows, ctx)  # warm-up: buffers for this context
-            samples += [(ctx, self._synthetic_step(rows, ctx)) for _ in range(reps)]
-        slopes = [
-            (t2 - t1) / (rows * (c2 - c1)) for c1, t1 in samples for c2, t2 in samples if c2 > c1
-        ]
-        return max(0.0, statistics.median(slopes))
+            for _ in range(reps):
+                ctxs.append(ctx)
+                times.append(self._synthetic_step(rows, ctx))
+        slope, _ = theil_sen(ctxs, times)  # seconds per context token of every request
+        return max(0.0, slope / rows)
 
     def _measure_req_cost(self, kv_cost: float, reps: int = 3) -> float:
         """Seconds per request in a step beyond its rows and context: synthetic steps of the same

@@ -19,7 +19,7 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,12 +89,12 @@ class StepCostCurve:
         if len(self.buckets) < 3 or any(self._observed) or not all(self._samples):
             return
         medians = [statistics.median(s) for s in self._samples]
-        fit = _theil_sen(self.buckets, medians)
+        slope, intercept = theil_sen(self.buckets, medians)
         floor = min(medians)  # the line may dip below zero at few rows
         for i, b in enumerate(self.buckets):
             n = len(self._samples[i])
             self._samples[i].clear()
-            self._samples[i].extend([max(fit(b), floor)] * n)
+            self._samples[i].extend([max(intercept + slope * b, floor)] * n)
             self._dirty.add(i)
         self._envelope = None
 
@@ -313,12 +313,15 @@ class StepCostCurve:
         return curve
 
 
-def _theil_sen(xs: list[int], ys: list[float]) -> Callable[[int], float]:
-    """The line through (xs, ys) with the median of the pairwise slopes and the median
-    intercept: one wild point moves it little."""
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the line with the median of the pairwise slopes (pairs of equal x
+    left out) and the median intercept: one wild point moves it little."""
+    n = len(xs)
     slopes = [
-        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+        (ys[j] - ys[i]) / (xs[j] - xs[i])
+        for i in range(n)
+        for j in range(i + 1, n)
+        if xs[j] != xs[i]
     ]
     slope = statistics.median(slopes)
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
-    return lambda x: intercept + slope * x
+    return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))
