@@ -1,0 +1,240 @@
+"""The verify budget policy: calibration, exploration, pauses, pricing of whole steps."""
+
+import math
+import random
+
+import pytest
+
+from specserve.spec.step_cost import StepCostCurve
+from tests.spec.conftest import observe
+
+
+def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
+    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+
+    class Sched:
+        running, waiting, max_num_seqs = [], [], 4
+
+    class Eng:
+        scheduler = Sched()
+
+    curve = StepCostCurve([1, 2, 4, 8])
+    curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # busy-machine curve
+    policy = VerifyBudgetPolicy.from_curves(Eng(), 64, curve)
+    kept = [policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) for _ in range(EXPLORE_EVERY)]
+    assert kept[:-1] == [[0]] * (EXPLORE_EVERY - 1) and kept[-1] == [3]
+    for _ in range(3):  # the explored steps show verifying is cheap: the curve is corrected
+        policy.curve.record(4, 1.05)
+    # (unobserved bucket 1 is now priced optimistically, scaled like bucket 4: a plain step runs
+    # once and shows its real cost)
+    observe(policy.curve, 1, 1.0)
+    assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
+
+
+def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
+    """With a host drafter, no drafts at all means the step can run overlapped (host work hidden):
+    when that plain step is cheap enough, it beats the speculative choice priced on the
+    synchronous curve; when it is not, the drafts stay."""
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    class Sched:
+        running, waiting, max_num_seqs = [], [], 64
+
+    class Eng:
+        scheduler = Sched()
+
+    def policy_with(plain_cost: float) -> VerifyBudgetPolicy:
+        curve = StepCostCurve([8, 16, 32, 64, 128])
+        curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)  # synchronous steps
+        plain = StepCostCurve(curve.buckets)
+        plain.calibrate(lambda rows: plain_cost * (1.0 + rows / 64), reps=1)
+        return VerifyBudgetPolicy.from_curves(Eng(), 512, curve, plain)
+
+    ready = [object()] * 32
+    drafts, confs = [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    # synchronous: 32 rows cost 1.5, 96 rows 2.5; E = 32 * 1.9 = 60.8 -> 24.3 tok/s vs 21.3 plain
+    assert sum(policy_with(1.0).trim(ready, drafts, confs)) > 0
+    fast_plain = policy_with(0.7)  # overlap hides 30 % of the step: 30.5 tok/s plain
+    assert fast_plain.trim(ready, drafts, confs) == [0] * 32
+    assert fast_plain.plain_chosen == 1
+    # the host work a synchronous step adds (scheduling, ledger, drafting: hidden under overlap)
+    # is part of a speculative step's price: a slow drafter tips the same case to plain
+    slow_drafter = policy_with(1.0)
+    slow_drafter.record_sync_overhead(1.0)
+    assert slow_drafter.trim(ready, drafts, confs) == [0] * 32
+
+
+def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
+    """keeps_pausing prices the requests decoding now with the confidences of the last round
+    that drafted: still plain under the same load, speculate again once the load falls; no round
+    with drafts at all means "draft for real"."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([1, 8, 16, 32, 64, 128])
+    curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # each row costs 1/16 of a step
+    plain = StepCostCurve(curve.buckets)
+    plain.calibrate(lambda rows: 1.0 + rows / 16, reps=1)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    decoding = SimpleNamespace(num_uncomputed_tokens=1)
+    sched.running = [decoding] * 64
+    assert not p.keeps_pausing()  # no round has drafted yet: only drafting can tell
+    assert p.trim(sched.running, [[1, 2]] * 64, [[0.4, 0.2]] * 64) == [0] * 64
+    assert p.keeps_pausing()  # same load, same confidences: stay plain
+    sched.running = [decoding] * 2  # the load fell: speculation pays again
+    assert not p.keeps_pausing()
+    sched.running = [SimpleNamespace(num_uncomputed_tokens=40)] * 2  # only prefills: ask for real
+    assert not p.keeps_pausing()
+
+
+def test_exploration_at_high_load_adds_a_quarter_of_the_step():
+    """Every EXPLORE_EVERY-th trim verifies all drafts of some requests past the choice, up to a
+    quarter of the step's rows (not every draft: at 256 requests x 4 that would be a 5x step);
+    the requests take turns, so every draft position of every request gets verified now and
+    then (acceptance estimates learn only from verified drafts)."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
+    curve = StepCostCurve([1, 64, 256, 512, 1280])
+    curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # rows are expensive: no drafts
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 8192, curve)
+    ready = [object()] * 256
+    confs = [[0.5 + 0.1 * (i % 4)] * 4 for i in range(256)]
+    drafts = [[1, 2, 3, 4]] * 256
+    explored = []
+    for _ in range(256 // 16):
+        kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
+        assert all(sum(k) == 0 for k in kept[:-1])
+        assert sum(kept[-1]) == 256 // 4 and set(kept[-1]) == {0, 4}  # whole requests
+        explored.append({i for i, m in enumerate(kept[-1]) if m})
+    assert set().union(*explored) == set(range(256))  # everyone's turn came
+
+
+def test_the_chooser_prices_whole_step_periods():
+    """The host work around a synchronous step (ledger, drafting, scheduling) is a fixed cost per
+    step: next to it, extra verify rows are cheaper than the device curve alone says. Without
+    it a 50 % draft per request is not worth its rows here; with it, it is."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([16, 32, 64])
+    curve.calibrate(lambda rows: rows / 16, reps=1)  # device time: 1.0 at 16 rows, 2.0 at 32
+    ready, drafts, confs = [object()] * 16, [[1]] * 16, [[0.5]] * 16
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+    assert p.trim(ready, drafts, confs) == [0] * 16  # 16 / 1.0 beats 24 / 2.0
+    p.record_sync_overhead(2.0)
+    assert p.trim(ready, drafts, confs) == [1] * 16  # 24 / 4.0 beats 16 / 3.0
+
+
+def test_calibration_measures_the_context_cost_and_rows_apart():
+    """Start-up calibration against a device whose step costs 1 ms + 2 ms per row + 5 us per
+    context token + 0.3 ms per request: kv_cost, req_cost and f come out right, whatever
+    contexts and request counts the synthetic steps use."""
+    from types import SimpleNamespace
+
+    from specserve.spec import budget_policy as bp
+
+    calls = []
+
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
+        n_req = n_req or min(rows, 8)
+        calls.append((rows, context, n_req))
+        return 1e-3 + 2e-3 * rows + 5e-6 * n_req * context + 3e-4 * n_req
+
+    eng = SimpleNamespace(
+        config=SimpleNamespace(max_num_seqs=8),
+        max_num_batched_tokens=64,
+        max_model_len=2048,
+        slot_pool=SimpleNamespace(k=3),
+    )
+    policy = bp.VerifyBudgetPolicy.__new__(bp.VerifyBudgetPolicy)
+    policy.engine = eng
+    policy._synthetic_step = synthetic.__get__(policy)
+    policy.engine.runner = SimpleNamespace(graphs=None)
+    curve = policy._load_or_calibrate([1, 8, 16, 40], None)
+    assert curve.kv_cost == pytest.approx(5e-6)
+    assert curve.req_cost == pytest.approx(3e-4)
+    for rows in (1, 8, 16, 40):
+        assert curve(rows) == pytest.approx(1e-3 + 2e-3 * rows)
+    assert {bp.CALIBRATION_CONTEXT, bp.KV_CALIBRATION_CONTEXT} <= {c for _, c, _ in calls}
+    assert (8, bp.CALIBRATION_CONTEXT, 2) in calls  # verify-shaped: 4 rows per request
+
+
+def test_long_contexts_make_verify_rows_relatively_cheap():
+    """Context reads are a fixed cost of the step (the requests do not change with the rows
+    chosen): next to a large one, drafts that did not pay with short contexts pay."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([16, 32, 64], kv_cost=1e-4)
+    curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+    drafts, confs = [[1]] * 16, [[0.5]] * 16
+    short = [SimpleNamespace(num_tokens=100)] * 16  # 1,600 tokens: +0.16 s
+    assert p.trim(short, drafts, confs) == [0] * 16  # 16 / 1.16 beats 24 / 2.16
+    long = [SimpleNamespace(num_tokens=2000)] * 16  # 32,000 tokens: +3.2 s
+    assert p.trim(long, drafts, confs) == [1] * 16  # 24 / 5.2 beats 16 / 4.2
+
+
+def test_per_request_cost_is_fixed_within_a_decision():
+    """f(rows) holds no per-request work: a decision over 16 requests adds req_cost * 16 to
+    every candidate, so a draft that does not pay against f alone pays next to it."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    drafts, confs = [[1]] * 16, [[0.5]] * 16
+    ready = [SimpleNamespace(num_tokens=100)] * 16
+    for req_cost, kept in ((0.0, [0] * 16), (0.25, [1] * 16)):
+        curve = StepCostCurve([16, 32, 64], req_cost=req_cost)
+        curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
+        p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+        # without: 16 / 1.0 beats 24 / 2.0; with +4.0: 24 / 6.0 beats 16 / 5.0
+        assert p.trim(ready, drafts, confs) == kept
+
+
+def test_fixed_terms_measured_too_high_never_make_the_curve_negative():
+    """A start-up kv_cost above what large synthetic steps cost (seen on the CPU: 27 us/token,
+    so 256 requests x 128 tokens 'cost' more than the whole 0.83 s step) leaves f a share of
+    every step, and real steps folded in through the curve's own ratios stay finite and
+    positive (they compounded to -1e307 and NaN before)."""
+    from types import SimpleNamespace
+
+    from specserve.spec import budget_policy as bp
+
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
+        n_req = n_req or min(rows, 256)
+        if context > bp.CALIBRATION_CONTEXT:  # context cost grows faster at long contexts
+            return 0.05 + 3e-3 * rows + 3e-5 * n_req * context
+        return 0.05 + 3e-3 * rows + 1e-5 * n_req * context
+
+    eng = SimpleNamespace(
+        config=SimpleNamespace(max_num_seqs=256),
+        max_num_batched_tokens=1280,
+        max_model_len=2048,
+        slot_pool=SimpleNamespace(k=4),
+        runner=SimpleNamespace(graphs=None),
+    )
+    policy = bp.VerifyBudgetPolicy.__new__(bp.VerifyBudgetPolicy)
+    policy.engine = eng
+    policy._synthetic_step = synthetic.__get__(policy)
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    curve = policy._load_or_calibrate(buckets, None)
+    assert curve.kv_cost * 256 * bp.CALIBRATION_CONTEXT > synthetic(policy, 256)
+    assert all(t > 0 for _, t in curve.points())
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.randint(1, 600)
+        n = min(rows, 256)
+        curve.record(rows, synthetic(policy, rows, n_req=n), kv_tokens=n * 200, requests=n)
+    assert all(math.isfinite(t) and t > 0 for _, t in curve.points())
+    assert all(math.isfinite(curve(r)) and curve(r) > 0 for r in range(1, 700))
