@@ -281,8 +281,10 @@ def run_hf_baseline(
     tokenizer: Any = None,
     hf_config: Any | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    continuous: bool = False,
 ) -> RunResult:
-    """Load the HF model for `model` and run the matching mode (batch-1 or batched).
+    """Load the HF model for `model` and run the matching mode (batch-1, batched, or with
+    `continuous` HF's continuous batching, `generate_batch`; see hf_continuous).
 
     `eos_token_ids`: the engine's stop ids; without ignore_eos both sides must stop on the same
     tokens, and a checkpoint's generation_config may list fewer than the engine uses.
@@ -294,7 +296,12 @@ def run_hf_baseline(
     if eos_token_ids:
         hf.generation_config.eos_token_id = sorted(int(t) for t in eos_token_ids)
     try:
-        if batch_1:
+        if continuous:
+            # imported here: hf_continuous builds on this module's helpers
+            from specserve.bench.hf_continuous import run_hf_continuous
+
+            res = run_hf_continuous(hf, requests, ignore_eos, tokenizer)
+        elif batch_1:
             res = run_hf_batch1(hf, requests, ignore_eos, tokenizer)
         else:
             res = run_hf_batched(hf, requests, ignore_eos, batch_size, tokenizer)

@@ -31,6 +31,9 @@ from specserve.bench.report import (
 from specserve.sampling_params import SamplingParams
 
 DATASETS = ("sharegpt", "humaneval", "random")
+# "hf": model.generate in padded batches (or one at a time with batch_1); "hf-cb": HF's
+# continuous batching, model.generate_batch (the API the issue's HF reference number used)
+BASELINES = ("hf", "hf-cb")
 NAME = "specserve"
 # engine counters that only grow, so (after - before) isolates the timed run from the warm-up
 _SPEC_COUNTERS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
@@ -45,7 +48,7 @@ class ThroughputSettings:
     ignore_eos: bool = False
     batch_1: bool = False
     speculative_config: dict[str, Any] | None = None
-    baseline: str | None = None  # None | "hf"
+    baseline: str | None = None  # None | one of BASELINES
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -67,8 +70,15 @@ class ThroughputSettings:
             self.speculative_config = json.loads(self.speculative_config)
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.baseline not in (None, "hf"):
-            raise ValueError(f"baseline must be 'hf' or absent, got {self.baseline!r}")
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise ValueError(
+                f"baseline must be one of {BASELINES} or absent, got {self.baseline!r}"
+            )
+        if self.baseline == "hf-cb" and self.batch_1:
+            # continuous batching is a throughput mode; one request at a time is --baseline hf
+            raise ValueError(
+                "--baseline hf-cb measures throughput: use --baseline hf with --batch-1"
+            )
         if self.num_prompts < 1 or self.max_tokens < 1:
             raise ValueError("num_prompts and max_tokens must be at least 1")
 
@@ -246,6 +256,20 @@ def make_llm(s: ThroughputSettings) -> Any:
     return LLM(**kwargs)
 
 
+def _continuous_line(base: RunResult) -> str:
+    """What generate_batch chose on its own (attention, sizes), and the setup kept out of the
+    timed run: the numbers a reader needs to trust an hf-cb ratio."""
+    d = base.to_dict()
+    setup = d.get("setup_seconds")
+    return (
+        f"{base.name}: transformers generate_batch (continuous batching), attention "
+        f"{d.get('attn_implementation')}, max_batch_tokens {d.get('max_batch_tokens')}, "
+        f"num_blocks {d.get('num_blocks')}, max_requests_per_batch "
+        f"{d.get('max_requests_per_batch')}"
+        + (f"; setup + warm-up {setup:.2f} s, not in the timed run" if setup is not None else "")
+    )
+
+
 def run_throughput(
     s: ThroughputSettings, llm: Any | None = None, verbose: bool = True
 ) -> dict[str, Any]:
@@ -277,7 +301,7 @@ def run_throughput(
         del llm
         free_memory()
     base: RunResult | None = None
-    if s.baseline == "hf":
+    if s.baseline in BASELINES:
         assert baseline_path is not None
         base = hf_baseline.run_hf_baseline(
             baseline_path,
@@ -290,6 +314,7 @@ def run_throughput(
             tokenizer=tokenizer,
             hf_config=hf_config,
             eos_token_ids=sorted(eos_ids) if eos_ids else None,
+            continuous=s.baseline == "hf-cb",
         )
     report: dict[str, Any] = {
         "benchmark": "throughput",
@@ -308,6 +333,8 @@ def run_throughput(
     if verbose:
         sides = [ours] + ([base] if base else [])
         print(format_table(sides, base))
+        if base is not None and base.mode == "continuous":
+            print(_continuous_line(base))
         if ours.cached_prompt_tokens:
             print(
                 f"{ours.name}: {ours.cached_prompt_tokens} of {ours.prompt_tokens} prompt tokens "

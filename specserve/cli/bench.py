@@ -16,8 +16,8 @@ def _add_throughput_parser(sub: Any) -> None:
     p = sub.add_parser(
         "throughput",
         help="offline throughput (or batch-1 decode speed), optionally vs HF transformers",
-        description="Run a request set through specserve (and, with --baseline hf, through HF "
-        "transformers on the same prompts and settings) and report tokens/s.",
+        description="Run a request set through specserve (and, with --baseline hf or hf-cb, "
+        "through HF transformers on the same prompts and settings) and report tokens/s.",
     )
     from specserve.cli.main import add_engine_args
 
@@ -40,7 +40,13 @@ def _add_throughput_parser(sub: Any) -> None:
         action="store_true",
         help="one request at a time; report per-request decode tok/s and the median",
     )
-    p.add_argument("--baseline", choices=("hf",), default=None, help="also run HF transformers")
+    p.add_argument(
+        "--baseline",
+        choices=("hf", "hf-cb"),
+        default=None,
+        help="also run HF transformers: hf = model.generate in padded batches of --hf-batch-size "
+        "(one at a time with --batch-1); hf-cb = continuous batching, model.generate_batch",
+    )
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: min(max-num-seqs, N)")
     p.add_argument(
         "--no-prefix-caching",
