@@ -5,6 +5,7 @@ request's drafts to the prefix the chooser picks."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import statistics
 import time
 from collections import deque
@@ -17,7 +18,7 @@ import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
-from specserve.spec.step_cost import StepCostCurve, theil_sen
+from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve, theil_sen
 from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class VerifyBudgetPolicy:
                 curve.buckets, padded=curve.padded, kv_cost=curve.kv_cost, req_cost=curve.req_cost
             )
             plain.calibrate(curve, reps=1)
+        for c in (curve, plain):
+            if c is not None:
+                c.refresh_every = ENGINE_REFRESH_EVERY
         self._setup(engine, max_rows, curve, plain)
 
     @classmethod
@@ -215,7 +219,7 @@ class VerifyBudgetPolicy:
         sched = self.engine.scheduler
         prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
         free_seqs = sched.max_num_seqs - len(sched.running)
-        prefill += sum(s.num_tokens for s in list(sched.waiting)[: max(0, free_seqs)])
+        prefill += sum(s.num_tokens for s in itertools.islice(sched.waiting, max(0, free_seqs)))
         return num_ready + min(prefill, max(0, self.max_rows - num_ready))
 
     def _kv_tokens(self, ready: list[Sequence]) -> int:

@@ -174,3 +174,26 @@ def test_cpu_start_up_values_are_the_robust_line_and_neighbours_shift_at_most_2x
     observe(curve, 80, 0.5)  # real steps 3.8x the start-up line at 80
     assert curve(80) == pytest.approx(0.5)
     assert curve(72) == pytest.approx(MAX_LEVEL_SHIFT * (0.05 + 0.072))
+
+
+def test_engine_curve_refreshes_every_few_records_and_at_once_on_a_first_real_bucket():
+    """The engine's curves rebuild their envelope at most every refresh_every records (a
+    rebuild each step cost ~2 % of a batch-1 step on the H200 host), but a bucket's switch to
+    real steps shows at once, and after refresh_every records the curve is the exact one."""
+    every = 8
+    lazy = StepCostCurve([1, 2, 4, 8], padded=True, refresh_every=every)
+    exact = StepCostCurve([1, 2, 4, 8], padded=True)
+    for c in (lazy, exact):
+        c.calibrate(lambda rows: 0.01 * rows + 0.02, reps=3)
+    for c in (lazy, exact):
+        observe(c, 8, 0.2)  # the switch to real steps: visible at once
+    assert lazy(8) == exact(8) == 0.2
+    seen_lazy, seen_exact = [], []
+    for _ in range(every):
+        for c in (lazy, exact):
+            c.record(5, 0.9)
+        seen_lazy.append(lazy(8))
+        seen_exact.append(exact(8))
+    assert seen_lazy[:-1] == [0.2] * (every - 1)  # stale in between
+    assert len(set(seen_exact[:-1])) > 1  # while the exact curve moved
+    assert seen_lazy[-1] == seen_exact[-1] > 0.2 and lazy.points() == exact.points()
