@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -175,6 +176,12 @@ class LLMEngine:
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
+        if self.device.type == "cuda":
+            # What start-up built (model, tokenizer vocab, graphs) lives as long as the engine:
+            # out of the collector's sight, a full collection mid-run walks only the requests'
+            # objects (a ~0.3 s host stall in a step of the 256-request H200 run looked like one)
+            gc.collect()
+            gc.freeze()
 
     def _num_kv_blocks(self) -> int:
         mc, cfg = self.model_config, self.config

@@ -115,7 +115,10 @@ def _attend_keys(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton compiles a variant per
+# "== 1" / "divisible by 16" class of each int): a new class mid-run meant a ~0.3 s compile inside
+# a timed step (the 256-request H200 run lost ~2 s to them).
+@triton.jit(do_not_specialize=["num_reqs", "num_rows", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]
@@ -229,7 +232,7 @@ def _paged_attention_kernel(
         tl.store(lse_part_ptr + part_row, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_rows"])  # as the attention kernel's
 def _combine_splits_kernel(
     o_part_ptr,  # [S, T, H, D] fp32, each split's normalised output
     lse_part_ptr,  # [S, T, H] fp32, each split's log2-sum-exp2 (-inf = empty split)

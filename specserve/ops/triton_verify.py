@@ -70,7 +70,9 @@ def _mix64(z):
     return z ^ ((z >> 31) & _LOW33)
 
 
-@triton.jit
+# `plane` (rows x chunks) changes with the step's rows: not specialised on, so a new row count
+# never means a compile inside a step.
+@triton.jit(do_not_specialize=["plane"])
 def _chunk_kernel(
     logits_ptr,  # [total_q, V] float, last dim contiguous
     temp_ptr,  # [total_q] float32, <= 0 -> greedy row
@@ -114,7 +116,7 @@ def _chunk_kernel(
         tl.store(part_idx_ptr + plane + out, tl.min(tl.where(score == best, cols, VOCAB), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["plane"])
 def _verify_kernel(
     part_val_ptr,  # [2, total_q, NC] float32, from _chunk_kernel
     part_idx_ptr,  # [2, total_q, NC] int32

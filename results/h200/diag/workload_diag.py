@@ -4,6 +4,7 @@ yet `bench profile --workload 256` counted 2.9 s of busy time in the run's 9 non
 this prints every step's rows, how many of them sample, the host time of its launch and the
 device span between its events, to see which steps are slow and why."""
 
+import gc
 import json
 import os
 import time
@@ -41,6 +42,36 @@ def launch(batch, overlap):
 
 
 eng._launch = launch
+gcs = []  # (generation, ms, step index) of every collection in the timed run
+_gc_t0 = [0.0]
+
+
+def on_gc(phase, info):
+    if phase == "start":
+        _gc_t0[0] = time.perf_counter()
+    else:
+        gcs.append((info["generation"], round((time.perf_counter() - _gc_t0[0]) * 1e3, 2), len(log)))
+
+
+def compiled() -> dict:
+    """Compiled variants per Triton kernel of ours (JIT caches), to see compiles mid-run."""
+    import importlib
+    out = {}
+    for mod in ("specserve.ops.triton_kv", "specserve.ops.triton_verify", "specserve.ops.triton_fused"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:  # no triton (CPU check of this script)
+            continue
+        for name in dir(m):
+            k = getattr(m, name)
+            caches = getattr(k, "device_caches", None)
+            if isinstance(caches, dict):
+                out[name] = sum(len(v[0]) for v in caches.values())
+    return out
+
+
+before = compiled()
+gc.callbacks.append(on_gc)
 eng.timeline.start()
 t0 = time.perf_counter()
 llm.generate(prompts, sp, use_tqdm=False)
@@ -54,6 +85,10 @@ for i, (s, e, t) in enumerate(ev[: len(log)]):
     log[i]["span_ms"] = round(s.elapsed_time(e), 2)
     if i + 1 < len(ev):
         log[i]["gap_ms"] = round(e.elapsed_time(ev[i + 1][0]), 3)
+gc.callbacks.remove(on_gc)
+after = compiled()
+print("triton variants before/after the timed run:", {k: (before.get(k), v) for k, v in after.items()})
+print("gc collections (gen, ms, step):", [g for g in gcs if g[0] == 2 or g[1] > 5])
 print(f"wall {wall:.2f} s, {len(log)} steps, {n * max_tokens / wall:.0f} tok/s")
 by = {}
 for x in log:
@@ -66,5 +101,5 @@ print(by)
 for i, x in enumerate(log):
     if x.get("tag") != "decode" or i < 3 or i % 40 == 0 or x.get("span_ms", 0) > 30:
         print(i, x)
-json.dump({"wall_s": wall, "summary": by, "steps": log},
+json.dump({"wall_s": wall, "summary": by, "steps": log, "gc": gcs, "triton_variants": [before, after]},
           open(os.path.join(os.environ.get("OUT", "."), "workload_diag.json"), "w"), indent=1)
