@@ -20,6 +20,7 @@ from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.model.loader import cache_dir, load_model
+from specserve.ops.triton_attention import use_triton
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import SampledStep, StepSampler
 from specserve.runner.timeline import StepTimeline
@@ -126,6 +127,8 @@ class LLMEngine:
             capture=not config.enforce_eager,
             progress=progress,
         )
+        if use_triton(self.device):
+            self.runner.warm_up_eager(min(self.max_num_batched_tokens, self.max_model_len))
         eos = frozenset(
             mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else [])
         )

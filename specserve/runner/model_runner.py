@@ -104,6 +104,27 @@ class ModelRunner:
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
 
+    def warm_up_eager(self, max_query_rows: int) -> int:
+        """Run one eager forward per attention tile class (rows per request -> tile height) so
+        their Triton kernels compile at start-up, not inside the first steps that need them: on
+        the H200 the 256-request run spent ~0.9 s of its 5.3 s compiling prefill variants.
+        Only before serving: the rows write blocks no request owns yet, and every block is
+        rewritten by its owner before it is read (a block the prefix cache holds would not be).
+        Returns the forwards run."""
+        cfg = self.model.config
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        runs = 0
+        for tile_rows in (16, 32, 64, 128):
+            # >= 2 rows with one logit: a prefill chunk, never a decode-shaped (graph) step
+            q = min(max(2, tile_rows // group), max_query_rows)
+            blocks = -(-q // self.block_size)
+            if q < 2 or blocks > self.num_blocks:
+                continue
+            inputs = self.prepare_rows([[0] * q], [0], [list(range(blocks))], [1])
+            self.forward(inputs)
+            runs += 1
+        return runs
+
     def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
         rows, tables, num_logits = [], [], []
         pending: np.ndarray | None = None

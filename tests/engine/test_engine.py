@@ -181,3 +181,18 @@ def test_unknown_model_and_corrupt_gguf_are_clear_errors(tmp_path):
         make_llm(model=str(bad))
     with pytest.raises(ModelLoadError):
         make_llm(model="dummy:no-such-preset")
+
+
+def test_eager_warm_up_runs_each_tile_class_and_changes_no_output():
+    """The CUDA start-up warm-up (one eager forward per attention tile class, before any request
+    exists, over blocks no request owns yet) leaves greedy outputs exactly as they were: run
+    here on the CPU path, against an engine that did not warm up."""
+    prompts = prompts_of([5, 40, 17, 3], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    warmed = make_llm(max_num_seqs=4)
+    assert warmed.engine.runner.warm_up_eager(warmed.engine.max_num_batched_tokens) >= 3
+    want = [
+        o.outputs[0].token_ids
+        for o in make_llm(max_num_seqs=4).generate(prompts, sp, use_tqdm=False)
+    ]
+    assert [o.outputs[0].token_ids for o in warmed.generate(prompts, sp, use_tqdm=False)] == want
