@@ -12,9 +12,9 @@ import torch
 
 from specserve.bench import hf_baseline, hf_continuous
 from specserve.bench.datasets import BenchRequest
-from specserve.bench.throughput import ThroughputSettings, run_throughput
+from specserve.bench.throughput import run_throughput
 from specserve.cli.bench import add_bench_parser, settings_from_args
-from tests.bench.test_throughput import TINY, FakeLLM
+from tests.bench.test_throughput import TINY, FakeLLM, _settings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -109,16 +109,7 @@ def test_ignore_eos_and_per_request_lengths(model, monkeypatch):
 
 def test_report_with_hf_cb_baseline(tmp_path, word_tokenizer, monkeypatch, capsys):
     monkeypatch.setattr(hf_continuous, "cb_config", _small_cb_config)
-    s = ThroughputSettings(
-        model="dummy:tiny",
-        dataset="random",
-        num_prompts=3,
-        max_tokens=6,
-        input_len=5,
-        ignore_eos=True,
-        baseline="hf-cb",
-        json_path=str(tmp_path / "r.json"),
-    )
+    s = _settings(tmp_path, baseline="hf-cb", plot_path=None)
     run_throughput(s, llm=FakeLLM(word_tokenizer))
     saved = json.loads((tmp_path / "r.json").read_text())
     base = saved["baseline"]
