@@ -46,6 +46,7 @@ class SweepPoint:
     steps: int = 0
     output_digest: str = ""  # fingerprint of every request's output tokens
     repeats_tok_s: list[float] | None = None  # every repeat's tok/s (the point is the median run)
+    sync_steps_per_run: float = 0.0  # steps launched synchronously (host work not hidden)
 
     @property
     def tok_s(self) -> float:
@@ -164,9 +165,9 @@ def _warm_up(llm, requests: list[tuple[list[int], Any]], concurrency: int) -> No
     _closed_loop(llm, short, concurrency)
 
 
-def _counters(llm) -> tuple[int, int, int]:
+def _counters(llm) -> tuple[int, int, int, int]:
     m = llm.get_metrics()
-    return m["spec_drafts"], m["spec_accepted_tokens"], _verify_rows(llm)
+    return m["spec_drafts"], m["spec_accepted_tokens"], _verify_rows(llm), m["num_sync_steps"]
 
 
 def _point(
@@ -174,13 +175,13 @@ def _point(
     c: int,
     requests: list,
     runs: list[LoopResult],
-    before: tuple[int, int, int],
-    after: tuple[int, int, int],
+    before: tuple[int, int, int, int],
+    after: tuple[int, int, int, int],
 ) -> SweepPoint:
     """One (mode, concurrency) point from its timed runs: the median run, with acceptance and
     verify rows over all of them."""
     res = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-    drafts, acc, rows = (a - b for a, b in zip(after, before))
+    drafts, acc, rows, sync = (a - b for a, b in zip(after, before))
     point = SweepPoint(
         mode,
         c,
@@ -192,11 +193,13 @@ def _point(
         res.steps,
         digest(res.outputs),
         [r.tokens / r.seconds for r in runs],
+        sync / len(runs),
     )
     print(
         f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
         f"{point.mean_acceptance_length:.2f}  draft rows/step "
-        f"{point.verify_rows_per_step:.1f}  steps {point.steps}",
+        f"{point.verify_rows_per_step:.1f}  steps {point.steps}  sync steps/run "
+        f"{point.sync_steps_per_run:.1f}",
         flush=True,
     )
     return point

@@ -156,6 +156,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_steps = 0
+        self.num_sync_steps = 0  # launched synchronously (drafts, penalties, or overlap off)
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._num_penalized = 0  # live requests with penalties (they force synchronous steps)
         # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
@@ -305,6 +306,10 @@ class LLMEngine:
             inflight, self._inflight = self._inflight, None
             outputs += self._process(inflight, self.scheduler.step_id + 1, draft=True)
             flushed = True
+            if self.overlap_when_paused:
+                # the drafting just done decides: drafts kept need the synchronous path; none
+                # (speculation paused, or nothing to draft) lets this step run overlapped
+                overlap = not self._has_drafts()
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
@@ -312,6 +317,7 @@ class LLMEngine:
         launched = None
         if not batch.is_empty:
             self.num_steps += 1
+            self.num_sync_steps += not overlap
             launched = self._launch(batch, overlap)
         if not overlap:
             if launched is not None:
@@ -337,9 +343,27 @@ class LLMEngine:
         return outputs
 
     def _overlap_now(self) -> bool:
+        """With a host drafter, only a step that verifies drafts needs the synchronous path:
+        steps run overlapped while speculation is paused, and so does any step that cannot carry
+        drafts (no request is decoding yet, e.g. the prefill chunks ahead of the first decode)."""
         if self.overlap:
             return True
-        return self.speculator is not None and self.speculator.paused(self.scheduler.step_id + 1)
+        if self.speculator is None or not self.overlap_when_paused:
+            return False
+        if self.speculator.paused(self.scheduler.step_id + 1):
+            return True
+        if self._inflight is None:
+            # the last step was processed with drafting: its drafts are in the slots
+            return not self._has_drafts()
+        # a request whose prompt completes in the step in flight would draft once it is read
+        return not any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
+
+    def _has_drafts(self) -> bool:
+        """Do the slots hold drafts for the next step (drafted after the last processed step)?"""
+        pool = self.slot_pool
+        return pool is not None and any(
+            pool.token_ids[s.slot] for s in self.scheduler.running if s.num_uncomputed_tokens == 1
+        )
 
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: a step with such a request waits for

@@ -99,6 +99,9 @@ def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
     assert pts[("off", 1)]["mean_acceptance_length"] == 1.0
     assert pts[("fixed", 1)]["mean_acceptance_length"] == pytest.approx(3.0)  # R = 1, k = 2
     assert pts[("fixed", 1)]["steps"] == 2 * 3  # two requests, one after the other (one run)
+    # no overlap on CPU by default: every step of a run is launched synchronously
+    assert pts[("fixed", 1)]["sync_steps_per_run"] == 2 * 3
+    assert pts[("off", 2)]["sync_steps_per_run"] == pts[("off", 2)]["steps"]
     # the outputs are the golden continuations themselves
     gold = golden_continuations(2, 7, 49152, seed="0:1")
     assert pts[("off", 1)]["output_digest"] == digest(gold)

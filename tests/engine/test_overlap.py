@@ -207,22 +207,89 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
 def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
     """A step where no request has room to draft (each at its last token) is no verdict on the
     load: the engine must not pause speculation for the requests that come next. Golden drafts
-    exist at every other step and the budget keeps them all, so no step may run overlapped."""
+    exist at every decode step with room and the budget keeps them all: only steps without
+    drafts (prefills, last tokens) may run overlapped, and no pause may start."""
     golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
     llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
-    kinds = []
+    kinds = []  # (overlapped, draft rows, a pause in force)
     real_launch = eng._launch
-    monkeypatch.setattr(
-        eng, "_launch", lambda batch, overlap: kinds.append(overlap) or real_launch(batch, overlap)
-    )
+
+    def launch(batch, overlap):
+        kinds.append((overlap, sum(batch.num_drafts), eng.speculator._paused_until > 0))
+        return real_launch(batch, overlap)
+
+    monkeypatch.setattr(eng, "_launch", launch)
     for i, prompt in enumerate(prompts_of([9, 14, 6])):  # one request after another
         gold = [(31 * i + 7 * j) % 400 + 3 for j in range(12)]
         sp = SamplingParams(max_tokens=12, temperature=0.0, golden_token_ids=gold)
         out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == gold
-    assert len(kinds) >= 9 and not any(kinds)
+    assert len(kinds) >= 9 and not any(paused for _, _, paused in kinds)
+    assert all(not overlapped for overlapped, drafts, _ in kinds if drafts)
+    # each request: its prefill and its last-token step carry no drafts; every other step does
+    assert sum(1 for _, drafts, _ in kinds if not drafts) <= 2 * 3
+
+
+def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatch):
+    """Only a step that verifies drafts needs the synchronous path: the prefill chunks ahead of
+    the first decode step (no request can draft yet) run overlapped, as does the first step of
+    a pause (the drafting round that starts it kept nothing). Outputs stay lossless."""
+    prompts = prompts_of([70, 90, 50])
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(False), prompts, sp)
+    llm = make_llm(
+        max_num_seqs=8, overlap=True, speculative_config=NGRAM, max_num_batched_tokens=32
+    )
+    eng = llm.engine
+    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
+    kinds = []
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        kinds.append((overlap, sum(batch.samples)))
+        return real_launch(batch, overlap)
+
+    monkeypatch.setattr(eng, "_launch", launch)
+    assert _run(llm, prompts, sp) == want
+    assert kinds[0] == (True, 0), "the first prefill chunk ran synchronously"
+    # the first request completes its prompt in the third chunk (70 = 32 + 32 + 6): the steps
+    # after it flush to draft; with every draft trimmed they run overlapped all the same
+    assert all(overlapped for overlapped, _ in kinds)
+    assert eng.num_sync_steps == 0
+
+
+def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monkeypatch):
+    """A penalized request makes every step read the one in flight first; when that drafting
+    keeps drafts, the step that verifies them must not be launched overlapped."""
+    prompts = prompts_of([12, 20]) + [[101, 102, 103, 104] * 8]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+    ]
+    want = _run(_llm(False), prompts, params)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    eng = llm.engine
+    calls = []
+
+    def trim(ready, drafts, confs):  # pause, then keep every draft, in turns
+        calls.append(1)
+        return [len(d) if len(calls) % 2 == 0 else 0 for d in drafts]
+
+    monkeypatch.setattr(eng.budget, "trim", trim)
+    kinds = []
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        kinds.append((overlap, sum(batch.num_drafts)))
+        return real_launch(batch, overlap)
+
+    monkeypatch.setattr(eng, "_launch", launch)
+    assert _run(llm, prompts, params) == want
+    assert any(d for _, d in kinds), "no step verified drafts"
+    assert any(o for o, _ in kinds), "no step ran overlapped"
 
 
 def test_synchronous_steps_report_their_host_overhead_to_the_budget():
