@@ -64,3 +64,36 @@ def test_bench_acceptance_rate_dials_in_acceptance():
     m = report["engine_metrics"]
     assert m["spec_acceptance_per_position"] == [1.0, 1.0, 1.0, 1.0]
     assert m["spec_mean_acceptance_length"] == pytest.approx(5.0)
+
+
+def test_right_and_wrong_drafts_depend_on_the_request_not_on_the_draw_order():
+    """Each position's draft is right or wrong by the request alone: two drafters asked in
+    different patterns (k = 1 each step vs k = 4, other requests in between) agree on every
+    position, and over many requests the share of right drafts is the dialled rate."""
+    from specserve.engine.sequence import Sequence
+    from specserve.spec.golden import GoldenDrafter
+
+    def seq(i: int, gold: list[int]) -> Sequence:
+        sp = SamplingParams(max_tokens=len(gold), golden_token_ids=gold)
+        return Sequence(f"r{i}", None, [3 + i, 9, 27], sp, seed=i)
+
+    rng = random.Random(1)
+    golds = [[rng.randrange(3, 400) for _ in range(24)] for _ in range(50)]
+    verdicts = []
+    for k, order in ((1, range(50)), (4, reversed(range(50)))):
+        d = GoldenDrafter(0.7, 49152, seed=5)
+        got = {}
+        for i in order:
+            s = seq(i, golds[i])
+            right = []
+            while s.num_output_tokens < len(golds[i]):
+                ((drafts, _),) = d.propose([s], [k])
+                for p, t in enumerate(drafts, start=s.num_output_tokens):
+                    right.append((p, t == golds[i][p]))
+                s.token_ids.append(golds[i][s.num_output_tokens])  # the verifier forces it
+            got[i] = sorted(set(right))
+            d.release(s)
+        verdicts.append(got)
+    assert verdicts[0] == verdicts[1]
+    flags = [r for rows in verdicts[0].values() for _, r in rows]
+    assert sum(flags) / len(flags) == pytest.approx(0.7, abs=0.05)
