@@ -48,7 +48,8 @@ class LaunchedStep(NamedTuple):
     seqs: list[Sequence]  # its sampling requests, in verify-layout order
     sampled: SampledStep | _WorkerStep | None  # None: a step of prefill chunks only
     t0: float  # host time at launch (the step-cost curve)
-    overlapped: bool  # launched while its predecessor was still in flight
+    overlapped: bool  # processed at the next step() (its ledger one step late)
+    behind: bool  # launched while its predecessor was still in flight (device queue never empty)
 
 
 @dataclass
@@ -295,8 +296,13 @@ class LLMEngine:
         N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
         t_start = time.perf_counter()
         if self._sync_period is not None:
+            # Overlap hides host work only up to the device time of the step it runs beside:
+            # what a synchronous step costs over an overlapped one is min(host work, that step).
+            # Uncapped, one caller pause between steps (a benchmark running other engines)
+            # priced every later speculative step seconds dearer.
             start, launch_to_readback = self._sync_period
-            self.budget.record_sync_overhead(t_start - start - launch_to_readback)
+            host = t_start - start - launch_to_readback
+            self.budget.record_sync_overhead(min(host, launch_to_readback))
             self._sync_period = None
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
@@ -315,6 +321,7 @@ class LLMEngine:
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
             outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
         launched = None
+        sync_period = None
         if not batch.is_empty:
             self.num_steps += 1
             self.num_sync_steps += not overlap
@@ -322,12 +329,11 @@ class LLMEngine:
         if not overlap:
             if launched is not None:
                 outputs += self._process(launched, batch.step, draft=True)
-                if self._launch_to_readback is not None and not flushed and self.has_unfinished():
+                if self._launch_to_readback is not None and not flushed:
                     # A synchronous step costs its whole period, up to the next step(): on top
                     # of launch-to-readback (the curve) come scheduling, the ledger, drafting
-                    # and the caller's handling of the outputs, all hidden under overlap. Taken
-                    # at the next step() if requests are still running (else it is idle time).
-                    self._sync_period = (t_start, self._launch_to_readback)
+                    # and the caller's handling of the outputs, all hidden under overlap.
+                    sync_period = (t_start, self._launch_to_readback)
                 self._launch_to_readback = None
         else:
             inflight, self._inflight = self._inflight, launched
@@ -336,6 +342,10 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.forget(out.request_id)
+        if sync_period is not None and self.has_unfinished():
+            # taken at the next step() only if requests are still running (finished ones are
+            # forgotten just above): otherwise the gap to it is idle time
+            self._sync_period = sync_period
         if self._inflight is None:
             self._last_readback = None  # drained: the next interval would include idle time
         if self.config.debug_invariants:
@@ -400,7 +410,7 @@ class LLMEngine:
             for s in seqs:
                 s.num_pending += 1
         self.timeline.end()
-        return LaunchedStep(batch, seqs, sampled, t0, overlap)
+        return LaunchedStep(batch, seqs, sampled, t0, overlap, self._inflight is not None)
 
     def _process(self, launched: LaunchedStep, out_step: int, draft: bool) -> list[TokenOutput]:
         """Wait for a launched step's results (the designed sync point), run the ledger and,
@@ -420,9 +430,12 @@ class LLMEngine:
             if not launched.overlapped and shaped:
                 self.budget.record_step(batch.num_rows, now - launched.t0, kv, len(seqs))
                 self._launch_to_readback = now - launched.t0
-            elif launched.overlapped and self._last_readback is not None and shaped:
+            elif launched.behind and self._last_readback is not None and shaped:
                 # overlapped: a step's launch-to-readback also spans its predecessor; in steady
-                # state the step costs the time between consecutive readbacks
+                # state the step costs the time between consecutive readbacks. Only a step that
+                # was queued behind its predecessor: one launched after a flush (a drafting
+                # round that kept nothing) ran with its host work exposed, and priced plain
+                # decoding 10 % too dear (H200, R = 0.5, C = 64: auto speculated and lost 6 %)
                 self.budget.record_plain_step(
                     batch.num_rows, now - self._last_readback, kv, len(seqs)
                 )

@@ -292,6 +292,37 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
     assert any(o for o, _ in kinds), "no step ran overlapped"
 
 
+def test_the_plain_curve_learns_only_from_steps_queued_behind_another(monkeypatch):
+    """The plain curve prices overlapped steady state: the time between consecutive readbacks
+    of steps each queued behind its predecessor. A step launched right after a flush (the
+    drafting round kept nothing) ran with its host work exposed and must not be recorded."""
+    prompts = prompts_of([12, 30, 8, 21])
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
+    eng = llm.engine
+    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
+    monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: False)  # a drafting round each pause
+    current = []
+    real_process = eng._process
+
+    def process(launched, out_step, draft):
+        current.append(launched)
+        return real_process(launched, out_step, draft)
+
+    recorded = []
+    real_plain = eng.budget.record_plain_step
+    monkeypatch.setattr(eng, "_process", process)
+    monkeypatch.setattr(
+        eng.budget,
+        "record_plain_step",
+        lambda *a: recorded.append(current[-1]) or real_plain(*a),
+    )
+    _run(llm, prompts, sp)
+    after_flush = [x for x in current if x.overlapped and not x.behind and x.batch.is_decode_shaped]
+    assert after_flush, "no overlapped decode step was launched after a flush"
+    assert len(recorded) >= 20 and all(x.behind for x in recorded)
+
+
 def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     """The budget prices a speculative step as launch-to-readback (its curve) plus the host work
     a synchronous step adds before the next one starts (ledger, drafting, the caller): the
@@ -308,6 +339,46 @@ def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     assert budget.sync_overhead == statistics.median(seen[-16:]) > 0
     m = llm.get_metrics()  # and what one decision costs on the host (median)
     assert 0 < m["verify_budget_trim_seconds"] < m["verify_budget_sync_overhead_seconds"] * 10
+
+
+def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkeypatch):
+    """A pause of the caller is not host overhead of speculation: after a run's last step the
+    gap to the next run is not measured at all, and a gap between two steps counts at most the
+    step's own launch-to-readback (all overlap could hide). H200 sweep, session 7: one gap of
+    6.8 s between runs became the median, every later step looked seconds dear, and the budget
+    paused speculation at C = 1 where it is 2.7x faster."""
+    import time
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    eng = llm.engine
+    budget = eng.budget
+    seen = []
+    real = budget.record_sync_overhead
+    monkeypatch.setattr(budget, "record_sync_overhead", lambda s: seen.append(s) or real(s))
+    llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
+    assert eng._sync_period is None  # the run is over: nothing pending into the next one
+    n = len(seen)
+    time.sleep(0.3)
+    llm.generate(prompts_of([9]), sp, use_tqdm=False)
+    assert len(seen) > n and max(seen) < 0.3
+    # a caller that stalls between steps: each sample is capped at that step's launch-to-readback
+    eng.add_request(prompts_of([14])[0], sp)
+    l2r = []
+    real_process = eng._process
+
+    def process(launched, out_step, draft):
+        out = real_process(launched, out_step, draft)
+        l2r.append(eng._launch_to_readback)
+        return out
+
+    monkeypatch.setattr(eng, "_process", process)
+    seen.clear()
+    while eng.has_unfinished():
+        eng.step()
+        time.sleep(0.05)
+    assert seen and all(0 <= s <= max(x for x in l2r if x) + 1e-9 for s in seen)
+    assert max(seen) < 0.05
 
 
 @pytest.mark.parametrize("overlap", [False, True])
