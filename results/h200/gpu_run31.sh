@@ -1,0 +1,10 @@
+#!/bin/bash
+# Prepared in session 7 for the next session's first device call (not run yet): both full sweeps
+# (C up to 256, 5 repeats) on the final session-7 code, which ran only R = 0.8 at C <= 64 with 3
+# repeats (_s7c) before the budget ran out. Each sweep ~210-220 s.
+export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+S="python3 -m specserve.cli.main bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats 5 --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
+for R in 0.5 0.8; do
+  N=sweep_golden_r0${R#0.}_llama8b_s8a
+  /usr/bin/time -f "%e s" timeout 270 $S --acceptance-rate $R --json $OUT/$N.json --plot $OUT/$N.png 2>&1 | grep -v "it/s\]" | grep "C=\|Error\|error\| s$" | tail -22
+done
