@@ -29,6 +29,7 @@ from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
 from specserve.spec.slots import DraftSlotPool
 from specserve.spec.speculator import Speculator
+from specserve.spec.step_timer import StepTimer
 
 
 class _WorkerStep:
@@ -92,10 +93,6 @@ class LLMEngine:
         want = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
-        # a synchronous decode step's (step() start, launch-to-readback): its host overhead
-        self._sync_period: tuple[float, float] | None = None
-        self._launch_to_readback: float | None = None
-        self._last_readback: float | None = None  # when the last overlapped step was read back
         # one slot per running request: drafts live there, and so does the token each request
         # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
         self.slot_pool = (
@@ -181,6 +178,7 @@ class LLMEngine:
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
+        self.step_timer = StepTimer(self.budget) if self.budget is not None else None
         if self.device.type == "cuda":
             # What start-up built (model, tokenizer vocab, graphs) lives as long as the engine:
             # out of the collector's sight, a full collection mid-run walks only the requests'
@@ -295,15 +293,8 @@ class LLMEngine:
         N+1, then process step N (still running on the device until its readback arrives, while
         N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
         t_start = time.perf_counter()
-        if self._sync_period is not None:
-            # Overlap hides host work only up to the device time of the step it runs beside:
-            # what a synchronous step costs over an overlapped one is min(host work, that step).
-            # Uncapped, one caller pause between steps (a benchmark running other engines)
-            # priced every later speculative step seconds dearer.
-            start, launch_to_readback = self._sync_period
-            host = t_start - start - launch_to_readback
-            self.budget.record_sync_overhead(min(host, launch_to_readback))
-            self._sync_period = None
+        if self.step_timer is not None:
+            self.step_timer.begin_step(t_start)
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
         flushed = False
@@ -312,16 +303,15 @@ class LLMEngine:
             inflight, self._inflight = self._inflight, None
             outputs += self._process(inflight, self.scheduler.step_id + 1, draft=True)
             flushed = True
-            if self.overlap_when_paused:
+            if self.overlap_when_paused and self.speculator is not None:
                 # the drafting just done decides: drafts kept need the synchronous path; none
                 # (speculation paused, or nothing to draft) lets this step run overlapped
-                overlap = not self._has_drafts()
+                overlap = not self.speculator.has_drafts()
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
         while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
             outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
         launched = None
-        sync_period = None
         if not batch.is_empty:
             self.num_steps += 1
             self.num_sync_steps += not overlap
@@ -329,12 +319,8 @@ class LLMEngine:
         if not overlap:
             if launched is not None:
                 outputs += self._process(launched, batch.step, draft=True)
-                if self._launch_to_readback is not None and not flushed:
-                    # A synchronous step costs its whole period, up to the next step(): on top
-                    # of launch-to-readback (the curve) come scheduling, the ledger, drafting
-                    # and the caller's handling of the outputs, all hidden under overlap.
-                    sync_period = (t_start, self._launch_to_readback)
-                self._launch_to_readback = None
+                if self.step_timer is not None:
+                    self.step_timer.sync_step_processed(t_start, measured=not flushed)
         else:
             inflight, self._inflight = self._inflight, launched
             if inflight is not None:
@@ -342,37 +328,17 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.forget(out.request_id)
-        if sync_period is not None and self.has_unfinished():
-            # taken at the next step() only if requests are still running (finished ones are
-            # forgotten just above): otherwise the gap to it is idle time
-            self._sync_period = sync_period
-        if self._inflight is None:
-            self._last_readback = None  # drained: the next interval would include idle time
+        if self.step_timer is not None:
+            self.step_timer.end_step(self.has_unfinished(), drained=self._inflight is None)
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
 
     def _overlap_now(self) -> bool:
-        """With a host drafter, only a step that verifies drafts needs the synchronous path:
-        steps run overlapped while speculation is paused, and so does any step that cannot carry
-        drafts (no request is decoding yet, e.g. the prefill chunks ahead of the first decode)."""
         if self.overlap:
             return True
-        if self.speculator is None or not self.overlap_when_paused:
-            return False
-        if self.speculator.paused(self.scheduler.step_id + 1):
-            return True
-        if self._inflight is None:
-            # the last step was processed with drafting: its drafts are in the slots
-            return not self._has_drafts()
-        # a request whose prompt completes in the step in flight would draft once it is read
-        return not any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
-
-    def _has_drafts(self) -> bool:
-        """Do the slots hold drafts for the next step (drafted after the last processed step)?"""
-        pool = self.slot_pool
-        return pool is not None and any(
-            pool.token_ids[s.slot] for s in self.scheduler.running if s.num_uncomputed_tokens == 1
+        return self.speculator is not None and self.speculator.may_overlap(
+            self.scheduler.step_id + 1, in_flight=self._inflight is not None
         )
 
     def _needs_sync(self) -> bool:
@@ -420,26 +386,8 @@ class LLMEngine:
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
-        if self.budget is not None:
-            # Only decode/verify steps price the curves: the chooser prices such steps, and a
-            # prefill chunk's rows cost far less per row (no per-row KV reads, big GEMMs), so
-            # folding them in made verify rows look cheap.
-            now = time.perf_counter()
-            kv = sum(batch.starts) + batch.num_rows  # context tokens its requests read
-            shaped = batch.is_decode_shaped
-            if not launched.overlapped and shaped:
-                self.budget.record_step(batch.num_rows, now - launched.t0, kv, len(seqs))
-                self._launch_to_readback = now - launched.t0
-            elif launched.behind and self._last_readback is not None and shaped:
-                # overlapped: a step's launch-to-readback also spans its predecessor; in steady
-                # state the step costs the time between consecutive readbacks. Only a step that
-                # was queued behind its predecessor: one launched after a flush (a drafting
-                # round that kept nothing) ran with its host work exposed, and priced plain
-                # decoding 10 % too dear (H200, R = 0.5, C = 64: auto speculated and lost 6 %)
-                self.budget.record_plain_step(
-                    batch.num_rows, now - self._last_readback, kv, len(seqs)
-                )
-            self._last_readback = now if launched.overlapped else None
+        if self.step_timer is not None:
+            self.step_timer.read_back(launched)
         outputs = self.ledger.process_outputs(batch, host, out_step)
         if self.speculator is not None and draft:
             self.speculator.propose()

@@ -54,6 +54,29 @@ class Speculator:
         self._paused_until = 0
         return False
 
+    def may_overlap(self, next_step: int, in_flight: bool) -> bool:
+        """Can step `next_step` run overlapped? Only a step that verifies drafts needs the
+        synchronous path: steps run overlapped while speculation is paused, and so does any step
+        that cannot carry drafts (no request decoding yet, e.g. the prefill chunks ahead of the
+        first decode step). in_flight: the previous step is still unprocessed."""
+        if not self.engine.overlap_when_paused:
+            return False
+        if self.paused(next_step):
+            return True
+        if not in_flight:
+            # the last step was processed with drafting: its drafts are in the slots
+            return not self.has_drafts()
+        # a request whose prompt completes in the step in flight would draft once it is read
+        return not any(s.num_uncomputed_tokens == 1 for s in self.engine.scheduler.running)
+
+    def has_drafts(self) -> bool:
+        """Do the slots hold drafts for the next step (drafted after the last processed step)?"""
+        return any(
+            self.pool.token_ids[s.slot]
+            for s in self.engine.scheduler.running
+            if s.num_uncomputed_tokens == 1
+        )
+
     def observe(
         self, batch: StepBatch, seqs: list[Sequence], host: HostStepResult
     ) -> HostStepResult:

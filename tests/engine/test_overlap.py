@@ -357,7 +357,7 @@ def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkey
     real = budget.record_sync_overhead
     monkeypatch.setattr(budget, "record_sync_overhead", lambda s: seen.append(s) or real(s))
     llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
-    assert eng._sync_period is None  # the run is over: nothing pending into the next one
+    assert eng.step_timer._sync_period is None  # the run is over: nothing pending into the next one
     n = len(seen)
     time.sleep(0.3)
     llm.generate(prompts_of([9]), sp, use_tqdm=False)
@@ -369,7 +369,7 @@ def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkey
 
     def process(launched, out_step, draft):
         out = real_process(launched, out_step, draft)
-        l2r.append(eng._launch_to_readback)
+        l2r.append(eng.step_timer._launch_to_readback)
         return out
 
     monkeypatch.setattr(eng, "_process", process)

@@ -1,0 +1,76 @@
+"""What the verify budget learns from the engine's own steps: each step's time as the chooser
+prices it. A synchronous decode/verify step costs its launch-to-readback (the step-cost curve)
+plus the host work around it up to the next step() (the sync overhead); an overlapped step in
+steady state costs the time between consecutive readbacks (the plain curve)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.engine.llm_engine import LaunchedStep
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+
+class StepTimer:
+    def __init__(self, budget: VerifyBudgetPolicy) -> None:
+        self.budget = budget
+        # a synchronous decode step's (step() start, launch-to-readback), its overhead taken
+        # at the next step()
+        self._sync_period: tuple[float, float] | None = None
+        self._candidate: tuple[float, float] | None = None  # this step()'s, until it ends
+        self._launch_to_readback: float | None = None  # of the synchronous step just read
+        self._last_readback: float | None = None  # when the last overlapped step was read back
+
+    def begin_step(self, t_start: float) -> None:
+        if self._sync_period is not None:
+            # Overlap hides host work only up to the device time of the step it runs beside:
+            # what a synchronous step costs over an overlapped one is min(host work, that step).
+            # Uncapped, one caller pause between steps (a benchmark running other engines)
+            # priced every later speculative step seconds dearer.
+            start, launch_to_readback = self._sync_period
+            host = t_start - start - launch_to_readback
+            self.budget.record_sync_overhead(min(host, launch_to_readback))
+            self._sync_period = None
+
+    def read_back(self, step: LaunchedStep) -> None:
+        """A step's results have arrived. Only decode/verify steps price the curves: the chooser
+        prices such steps, and a prefill chunk's rows cost far less per row (no per-row KV
+        reads, big GEMMs), so folding them in made verify rows look cheap."""
+        now = time.perf_counter()
+        batch = step.batch
+        kv = sum(batch.starts) + batch.num_rows  # context tokens its requests read
+        shaped = batch.is_decode_shaped
+        requests = len(step.seqs)
+        if not step.overlapped and shaped:
+            self.budget.record_step(batch.num_rows, now - step.t0, kv, requests)
+            self._launch_to_readback = now - step.t0
+        elif step.behind and self._last_readback is not None and shaped:
+            # overlapped: a step's launch-to-readback also spans its predecessor; in steady
+            # state the step costs the time between consecutive readbacks. Only a step that was
+            # queued behind its predecessor: one launched after a flush (a drafting round that
+            # kept nothing) ran with its host work exposed, and priced plain decoding 10 % too
+            # dear (H200, R = 0.5, C = 64: auto speculated and lost 6 %)
+            self.budget.record_plain_step(batch.num_rows, now - self._last_readback, kv, requests)
+        self._last_readback = now if step.overlapped else None
+
+    def sync_step_processed(self, t_start: float, measured: bool) -> None:
+        """The synchronous step of this step() is through the ledger. measured=False when the
+        step() began by flushing the step in flight: its period holds that wait."""
+        if self._launch_to_readback is not None and measured:
+            # A synchronous step costs its whole period, up to the next step(): on top of
+            # launch-to-readback (the curve) come scheduling, the ledger, drafting and the
+            # caller's handling of the outputs, all hidden under overlap.
+            self._candidate = (t_start, self._launch_to_readback)
+        self._launch_to_readback = None
+
+    def end_step(self, unfinished: bool, drained: bool) -> None:
+        """unfinished: requests are still running once this step()'s finished ones are
+        forgotten (else the gap to the next step() is idle time, not overhead); drained:
+        nothing is in flight (the next readback interval would include idle time)."""
+        if self._candidate is not None and unfinished:
+            self._sync_period = self._candidate
+        self._candidate = None
+        if drained:
+            self._last_readback = None
