@@ -149,3 +149,13 @@ def test_cli_accepts_golden_and_random():
         32,
     )
     assert args.max_model_len == 4096 and args.kv_cache_gb == 20.0
+
+
+def test_interleaved_repeats_rotate_the_order_of_the_modes():
+    from specserve.bench.spec_sweep import MODES, rotated
+
+    orders = [rotated(MODES, r) for r in range(6)]
+    assert orders[0] == MODES and orders[3] == MODES
+    for m in MODES:  # each mode takes each place once in every three repeats
+        assert sorted(o.index(m) for o in orders[:3]) == [0, 1, 2]
+    assert all(sorted(o) == sorted(MODES) for o in orders)
