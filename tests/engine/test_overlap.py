@@ -260,6 +260,23 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
     assert eng.num_sync_steps == 0
 
 
+def test_fixed_k_overlaps_the_steps_without_drafts_and_matches_the_synchronous_engine():
+    """verify_budget "off" (fixed k, no pauses) with overlap: steps where no request has an
+    n-gram draft run overlapped, steps with drafts synchronously; greedy outputs are the
+    synchronous engine's (tests/gpu/test_cuda_graph.py runs this configuration on CUDA)."""
+    prompts = prompts_of([12, 30, 8])
+    prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    spec = NGRAM | {"verify_budget": "off"}
+    want = _run(make_llm(max_num_seqs=8, speculative_config=spec), prompts, sp)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True)
+    eng = llm.engine
+    assert eng.budget is None and eng.overlap_when_paused
+    assert _run(llm, prompts, sp) == want
+    assert 0 < eng.num_sync_steps < eng.num_steps
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
 def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monkeypatch):
     """A penalized request makes every step read the one in flight first; when that drafting
     keeps drafts, the step that verifies them must not be launched overlapped."""
