@@ -88,8 +88,9 @@ class LLMEngine:
         spec = config.speculative_config
         self.drafter = build_drafter(spec, self) if spec else None
         # Overlap needs each step's tokens only on the device; a host-side drafter needs them on
-        # the host before it can draft the next step. So with a drafter, overlap runs only while
-        # the verify budget has paused speculation (high load: it chose no drafts at all).
+        # the host before it can draft the next step. So with a drafter only the steps that
+        # verify drafts run synchronously; the others overlap (speculation paused by the verify
+        # budget at high load, or nothing to draft: Speculator.may_overlap).
         want = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
