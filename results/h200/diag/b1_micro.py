@@ -10,37 +10,16 @@ Prints one line per case and writes b1_micro.json under $OUT."""
 
 import json
 import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from graph_time import graph_time  # noqa: E402
 
 dev = torch.device("cuda")
 dt = torch.bfloat16
 LAYERS = 32
-REPS = 20
-
-
-def graph_time(fn, layers: int = LAYERS) -> float:
-    """Seconds per call of fn(i) for i in 0..layers-1, captured once and replayed REPS times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(layers):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(layers):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(REPS):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / 1e3 / REPS / layers
-
 
 out = {"gemm": [], "attention": []}
 shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
