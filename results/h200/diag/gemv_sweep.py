@@ -125,6 +125,14 @@ def main() -> None:
             except Exception as e:  # a config that does not compile (shared memory, registers)
                 rows.append({"cfg": cfg, "error": type(e).__name__})
                 continue
+            # after 20 graph replays: still right (a split reduced before all partials landed,
+            # or a counter left non-zero, shows here)
+            want = torch.mv(ws[1], x).float()
+            g(x, ws[1], y)
+            err = (y.float() - want).abs().max().item()
+            if err > 2e-2 * max(1.0, want.abs().max().item()) or int(g.count.sum()) != 0:
+                rows.append({"cfg": cfg, "error": f"wrong result (max err {err:.3g})"})
+                continue
             rows.append({"cfg": cfg, "us": t * 1e6, "TBps": gb / t / 1e3})
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         best = ok[0]
