@@ -34,6 +34,19 @@ def _run(llm, prompts, params):
     ]
 
 
+def _record_launches(monkeypatch, eng, what) -> list:
+    """Wrap the engine's _launch: each launched step appends what(batch, overlap) to the list."""
+    seen = []
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        seen.append(what(batch, overlap))
+        return real_launch(batch, overlap)
+
+    monkeypatch.setattr(eng, "_launch", launch)
+    return seen
+
+
 def _mixed_params(n: int) -> list[SamplingParams]:
     eos_free = dict(ignore_eos=True)
     table = [
@@ -159,14 +172,7 @@ def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(mon
         return [len(d) if len(calls) % 3 == 0 else 0 for d in drafts]
 
     monkeypatch.setattr(eng.budget, "trim", trim)
-    kinds = []
-    real_launch = eng._launch
-
-    def launch(batch, overlap):
-        kinds.append((overlap, sum(batch.num_drafts)))
-        return real_launch(batch, overlap)
-
-    monkeypatch.setattr(eng, "_launch", launch)
+    kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     assert _run(llm, prompts, sp) == want
     assert any(o for o, _ in kinds), "no step ran overlapped"
     assert any(nd > 0 for o, nd in kinds if not o), "no step verified drafts"
@@ -190,11 +196,7 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     trims, asks = [], []
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: trims.append(1) or [0] * len(d))
     monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: asks.append(1) or True)
-    kinds = []
-    real_launch = eng._launch
-    monkeypatch.setattr(
-        eng, "_launch", lambda batch, overlap: kinds.append(overlap) or real_launch(batch, overlap)
-    )
+    kinds = _record_launches(monkeypatch, eng, lambda b, o: o)
     assert _run(llm, prompts, sp) == want
     # the first pause starts at the first decode step; then each real trim is followed by one
     # pause and MAX_STALE_PAUSES extensions, all overlapped
@@ -213,14 +215,10 @@ def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
     llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
-    kinds = []  # (overlapped, draft rows, a pause in force)
-    real_launch = eng._launch
-
-    def launch(batch, overlap):
-        kinds.append((overlap, sum(batch.num_drafts), eng.speculator._paused_until > 0))
-        return real_launch(batch, overlap)
-
-    monkeypatch.setattr(eng, "_launch", launch)
+    # (overlapped, draft rows, a pause in force)
+    kinds = _record_launches(
+        monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts), eng.speculator._paused_until > 0)
+    )
     for i, prompt in enumerate(prompts_of([9, 14, 6])):  # one request after another
         gold = [(31 * i + 7 * j) % 400 + 3 for j in range(12)]
         sp = SamplingParams(max_tokens=12, temperature=0.0, golden_token_ids=gold)
@@ -244,14 +242,7 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
     )
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
-    kinds = []
-    real_launch = eng._launch
-
-    def launch(batch, overlap):
-        kinds.append((overlap, sum(batch.samples)))
-        return real_launch(batch, overlap)
-
-    monkeypatch.setattr(eng, "_launch", launch)
+    kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.samples)))
     assert _run(llm, prompts, sp) == want
     assert kinds[0] == (True, 0), "the first prefill chunk ran synchronously"
     # the first request completes its prompt in the third chunk (70 = 32 + 32 + 6): the steps
@@ -296,14 +287,7 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
         return [len(d) if len(calls) % 2 == 0 else 0 for d in drafts]
 
     monkeypatch.setattr(eng.budget, "trim", trim)
-    kinds = []
-    real_launch = eng._launch
-
-    def launch(batch, overlap):
-        kinds.append((overlap, sum(batch.num_drafts)))
-        return real_launch(batch, overlap)
-
-    monkeypatch.setattr(eng, "_launch", launch)
+    kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     assert _run(llm, prompts, params) == want
     assert any(d for _, d in kinds), "no step verified drafts"
     assert any(o for o, _ in kinds), "no step ran overlapped"
