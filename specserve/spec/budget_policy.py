@@ -5,7 +5,6 @@ request's drafts to the prefix the chooser picks."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import statistics
 import time
 from collections import deque
@@ -214,24 +213,25 @@ class VerifyBudgetPolicy:
             self.plain.record(rows, seconds, kv_tokens, requests)
 
     # -- the choice -----------------------------------------------------------------------------
-    def base_rows(self, num_ready: int) -> int:
-        """Rows the next step runs anyway: one per decode request + the prefill chunks it admits."""
-        sched = self.engine.scheduler
-        prefill = sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
-        free_seqs = sched.max_num_seqs - len(sched.running)
-        prefill += sum(s.num_tokens for s in itertools.islice(sched.waiting, max(0, free_seqs)))
-        return num_ready + min(prefill, max(0, self.max_rows - num_ready))
-
     def _kv_tokens(self, ready: list[Sequence]) -> int:
         """Context tokens the next step's decode requests read (drafts and prefill chunks
         left out: the same for every candidate, or small)."""
         return sum(s.num_tokens for s in ready) if self.curve.kv_cost else 0
 
     def _choose(
-        self, usable: list[list[float]], num_ready: int, base: int, kv: int, count: bool = True
+        self, usable: list[list[float]], num_ready: int, kv: int, count: bool = True
     ) -> BudgetChoice:
         """The chooser over the synchronous curve, then speculation as a whole against plain
-        overlapped decoding (num_verify all 0 when plain wins)."""
+        overlapped decoding (num_verify all 0 when plain wins).
+
+        The rows are priced as a decode-only step of the requests decoding (one row each plus
+        their drafts): prompt chunks sharing the step are left out. The scheduler gives the
+        token budget to decode and verify rows first, so where prompt work fills the budget a
+        draft row displaces a prompt row to a later step, and where it does not, the prompt rows
+        are work the run does anyway: either way a draft row costs the run one row. (Priced
+        next to the prompt rows, every draft looked cheap; capped at the budget the prompt rows
+        left, none was verified while prompts were coming in.)"""
+        base = num_ready
         # A synchronous step's period is its launch-to-readback time (the curve) plus the host
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
         # periods, or extra rows would look dearer than they are next to that fixed cost. The
@@ -254,10 +254,10 @@ class VerifyBudgetPolicy:
     ) -> list[int]:
         """How many drafts each ready request verifies next step."""
         t0 = time.perf_counter()
-        base = self.base_rows(len(ready))
+        base = len(ready)  # the rows the choice is priced from (_choose)
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         self._last_round = [c for c in usable if c]
-        choice = self._choose(usable, len(ready), base, self._kv_tokens(ready))
+        choice = self._choose(usable, base, self._kv_tokens(ready))
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
@@ -306,8 +306,7 @@ class VerifyBudgetPolicy:
         if not last or num_ready == 0:
             return False
         usable = [last[i % len(last)] for i in range(num_ready)]
-        base, kv = self.base_rows(num_ready), self._kv_tokens(ready)
-        choice = self._choose(usable, num_ready, base, kv, count=False)
+        choice = self._choose(usable, num_ready, self._kv_tokens(ready), count=False)
         return not any(choice.num_verify)
 
 

@@ -132,11 +132,10 @@ class Speculator:
             proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
             if eng.overlap_when_paused:
                 # Any draft kept ends the pause: drafts need the synchronous path. Only a verdict
-                # on the load pauses: not a step where no request had room to draft (requests at
-                # their last token), nor one the budget priced with prefill chunks in it (a
-                # one-step condition; the pause would outlive it).
-                decode_only = budget.base_rows(len(ready)) == len(ready)
-                pause = any(limits) and decode_only and not any(keep)
+                # on the load pauses, not a step where no request had room to draft (requests
+                # at their last token). Prompt chunks in the step do not sway the verdict: the
+                # budget prices drafts as in a decode-only step (VerifyBudgetPolicy._choose).
+                pause = any(limits) and not any(keep)
                 self._paused_until = eng.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
                 self._stale_pauses = 0
         for s, (d, conf) in zip(ready, proposals):

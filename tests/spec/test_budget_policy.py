@@ -238,3 +238,25 @@ def test_fixed_terms_measured_too_high_never_make_the_curve_negative():
         curve.record(rows, synthetic(policy, rows, n_req=n), kv_tokens=n * 200, requests=n)
     assert all(math.isfinite(t) and t > 0 for _, t in curve.points())
     assert all(math.isfinite(curve(r)) and curve(r) > 0 for r in range(1, 700))
+
+
+def test_drafts_are_priced_as_in_a_decode_step_whatever_prompt_work_shares_it():
+    """Prompt chunks in the step do not change what a draft row costs the run (it displaces a
+    prompt row to a later step, or the prompt rows are work done anyway): drafts that pay in a
+    decode-only step are verified even when prompts fill the token budget, and drafts that do
+    not pay there are not verified just because a long prompt chunk makes the step long."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    curve = StepCostCurve([16, 32, 64, 256, 512])
+    curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # 16 rows: 2.0, 32 rows: 3.0
+    decoding = SimpleNamespace(num_uncomputed_tokens=1, num_tokens=100)
+    ready, drafts = [decoding] * 16, [[1]] * 16
+    for prompt_rows in (0, 200, 5000):  # none, a chunk beside, more than the budget holds
+        prompt = SimpleNamespace(num_uncomputed_tokens=prompt_rows, num_tokens=prompt_rows)
+        sched = SimpleNamespace(running=ready + [prompt], waiting=[], max_num_seqs=64)
+        p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
+        # 16 + 16 * 0.9 = 30.4 tokens in 3.0 beats 16 in 2.0; 16 + 16 * 0.3 = 20.8 does not
+        assert p.trim(ready, drafts, [[0.9]] * 16) == [1] * 16, prompt_rows
+        assert p.trim(ready, drafts, [[0.3]] * 16) == [0] * 16, prompt_rows
