@@ -1,7 +1,8 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embedding, gated SiLU MLP.
+"""Building blocks shared by the Llama family: linear, RMSNorm, rotary embedding, gated SiLU MLP.
 
 The elementwise work goes through `specserve.ops.fused`: Triton kernels on CUDA, the plain torch
-ops on CPU (unchanged numerics there).
+ops on CPU (unchanged numerics there). Linear layers go through `specserve.ops.gemv` (a Triton
+GEMV for one row on Hopper, F.linear everywhere else).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from torch import nn
 
 from specserve.model.errors import ModelLoadError
 from specserve.ops.fused import add_rms_norm, silu_and_mul
+from specserve.ops.gemv import linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose one-row calls may run the GEMV."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -110,8 +119,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] -> [T, I]

@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.model.config import ModelConfig
 from specserve.model.forward_context import ForwardContext, KVCache
-from specserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
 from specserve.ops.fused import rope_
 
@@ -29,10 +29,10 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from specserve.ops.pdl import launch_options
 from specserve.ops.triton_attention import use_triton
 
 ENV_SWITCH = "SPECSERVE_FUSED_OPS"
@@ -117,7 +118,7 @@ def add_rms_norm(
         HAS_RESIDUAL=residual is not None, BLOCK=block,
         # More warps for wide rows: at batch 1 one program does the whole row, so its latency is
         # the kernel's. (Heuristic, not tuned per GPU.)
-        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
+        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2, **launch_options(x),
     )  # fmt: skip
     return out, new_res
 
@@ -144,7 +145,7 @@ def rope_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     _kernels()._rope_kernel[(t, _cdiv(nh, block_h))](
         x, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), cos_sin.stride(1), nh,
         HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        num_warps=4 if block_h * block_half >= 1024 else 2,
+        num_warps=4 if block_h * block_half >= 1024 else 2, **launch_options(x),
     )  # fmt: skip
     return x
 
@@ -160,6 +161,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return out
     block = min(_pow2(inter), 1024)
     _kernels()._silu_and_mul_kernel[(t, _cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        gate_up.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
+        **launch_options(gate_up),
     )
     return out

@@ -17,6 +17,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _gdc_begin(GDC: tl.constexpr):
+    """Launched with PDL (specserve.ops.pdl): let the next kernel launch, then wait until the
+    previous one has finished and its writes are visible. Every kernel here reads its
+    predecessor's output at once, so both go first."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # [T, N]
     res_ptr,  # [T, N] (unused when not HAS_RESIDUAL)
@@ -29,7 +39,9 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # n_cols rounded up to a power of two: the whole row in one tile
+    GDC: tl.constexpr,
 ):
+    _gdc_begin(GDC)
     # One program per row: a row of a decoder's hidden state (<= 16k values) fits in registers,
     # so the row is read once and the reduction needs no second pass.
     row = tl.program_id(0).to(tl.int64)
@@ -64,7 +76,9 @@ def _rope_kernel(
     HALF: tl.constexpr,  # D // 2
     BLOCK_HALF: tl.constexpr,  # HALF rounded up to a power of two
     BLOCK_H: tl.constexpr,  # heads per program
+    GDC: tl.constexpr,
 ):
+    _gdc_begin(GDC)
     # out = x * cos + roll(x, D/2) * signed_sin, in halves: roll(x, D/2) is [x2, x1], so
     #   out1 = x1 * cos1 + x2 * ssin1,   out2 = x2 * cos2 + x1 * ssin2.
     # A program owns BLOCK_H heads of one row and loads that row's cos/sin once for all of them.
@@ -100,7 +114,9 @@ def _silu_and_mul_kernel(
     stride_gu,
     inter,  # I
     BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    _gdc_begin(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
