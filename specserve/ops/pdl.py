@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from specserve.ops.triton_attention import use_triton
+
 ENV_SWITCH = "SPECSERVE_PDL"
 
 
@@ -25,10 +27,7 @@ ENV_SWITCH = "SPECSERVE_PDL"
 def _supported(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
-    try:
-        import triton.language as tl
-    except ImportError:
-        return False
+    import triton.language as tl
 
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
@@ -41,6 +40,7 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and os.environ.get(ENV_SWITCH, "1") != "0"
+        and use_triton(x.device)
         and _supported(x.device.index if x.device.index is not None else 0)
     )
 

@@ -28,7 +28,6 @@ from types import ModuleType
 import torch
 
 from specserve.model.forward_context import ForwardContext, KVCache
-from specserve.ops.pdl import launch_options
 
 # A split-KV chunk shorter than this costs more to merge than it saves.
 MIN_KEYS_PER_SPLIT = 128
@@ -88,7 +87,7 @@ def write_kv_triton(
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.v.stride(0), cache.v.stride(1), cache.v.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d),
-        PAGE=cache.block_size, num_warps=4 if hkv * d >= 1024 else 2, **launch_options(k),
+        PAGE=cache.block_size, num_warps=4 if hkv * d >= 1024 else 2,
     )  # fmt: skip
 
 
@@ -188,13 +187,13 @@ def paged_attention_triton(
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
         # fp32 caches get true fp32 products (tf32 would cost ~3e-4 relative error)
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
         kernels._combine_splits_kernel[(t, h)](
             o_part, lse_part, out, ctx.cu_query_lens,
             b, t, h, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, SPLITS_P2=_pow2(splits), HEAD_DIM=d, HEAD_DIM_P2=_pow2(d),
-            num_warps=4 if d >= 128 else 2, **launch_options(q),
+            num_warps=4 if d >= 128 else 2,
         )  # fmt: skip
     return out

@@ -17,10 +17,10 @@ import triton.language as tl
 
 
 @triton.jit
-def gdc_begin(GDC: tl.constexpr):
+def _gdc_begin(GDC: tl.constexpr):
     """Launched with PDL (specserve.ops.pdl): let the next kernel launch, then wait until the
     previous one has finished and its writes are visible. Every kernel here reads its
-    predecessor's output at once, so both go first (the KV and attention kernels too)."""
+    predecessor's output at once, so both go first."""
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -41,7 +41,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,  # n_cols rounded up to a power of two: the whole row in one tile
     GDC: tl.constexpr,
 ):
-    gdc_begin(GDC)
+    _gdc_begin(GDC)
     # One program per row: a row of a decoder's hidden state (<= 16k values) fits in registers,
     # so the row is read once and the reduction needs no second pass.
     row = tl.program_id(0).to(tl.int64)
@@ -78,7 +78,7 @@ def _rope_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     GDC: tl.constexpr,
 ):
-    gdc_begin(GDC)
+    _gdc_begin(GDC)
     # out = x * cos + roll(x, D/2) * signed_sin, in halves: roll(x, D/2) is [x2, x1], so
     #   out1 = x1 * cos1 + x2 * ssin1,   out2 = x2 * cos2 + x1 * ssin2.
     # A program owns BLOCK_H heads of one row and loads that row's cos/sin once for all of them.
@@ -116,7 +116,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    gdc_begin(GDC)
+    _gdc_begin(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter

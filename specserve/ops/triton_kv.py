@@ -21,8 +21,6 @@ the launch is graph-capturable; programs whose tile lies past their request's ro
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_fused import gdc_begin
-
 
 @triton.jit
 def _write_kv_kernel(
@@ -46,9 +44,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     PAGE: tl.constexpr,  # cache block size
-    GDC: tl.constexpr,  # launched with PDL (specserve.ops.pdl)
 ):
-    gdc_begin(GDC)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:  # padding row: nothing to write
@@ -158,9 +154,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    GDC: tl.constexpr,
 ):
-    gdc_begin(GDC)
     tile = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     b = tl.program_id(1)
@@ -253,9 +247,7 @@ def _combine_splits_kernel(
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
-    GDC: tl.constexpr,
 ):
-    gdc_begin(GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM_P2)
