@@ -328,6 +328,10 @@ class _Offset:
     def many(self, rows: np.ndarray) -> np.ndarray:
         return self.curve.many(rows) + self.add
 
+    def stop_values(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        rows, f = self.curve.stop_values(lo, hi)
+        return rows, f + self.add
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -79,12 +79,16 @@ def test_high_load_shrinks_speculation_to_nothing():
     assert low_load.num_verify == [3]
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_vectorised_chooser_equals_the_loop(seed):
+def test_vectorised_chooser_equals_the_loop(seed, padded):
     """Past SMALL candidates the chooser runs in numpy: same choice as the Python loop, on random
-    confidences (zeros, ones, ties included) and a jagged measured curve."""
+    confidences (zeros, ones, ties included) and a jagged measured curve, padded (CUDA graphs)
+    or not, bare or with the policy's per-step offset; asked twice (the candidate times are
+    cached per curve envelope), and again after the curve changed."""
 
     from specserve.spec import verify_budget as vb
+    from specserve.spec.budget_policy import _Offset
 
     rng = random.Random(seed)
     n = rng.randint(20, 300)
@@ -93,14 +97,20 @@ def test_vectorised_chooser_equals_the_loop(seed):
         [rng.choice(pick) if rng.random() < 0.3 else rng.random() for _ in range(rng.randint(0, 6))]
         for _ in range(n)
     ]
-    curve = StepCostCurve(sorted(rng.sample(range(1, 2000), 15)))
+    curve = StepCostCurve(sorted(rng.sample(range(1, 2000), 15)), padded=padded)
     curve.calibrate(lambda rows: 0.01 + rows * 1e-5 * (1 + rng.random()), reps=2)
     base = n + rng.randint(0, 100)
     max_rows = base + rng.randint(0, 1500)
     assert sum(len(c) for c in confs) > vb.SMALL
-    for step_time in (curve, lambda r: curve(r)):  # vectorised curve, and a plain callable
-        got = vb.choose_verify_budget(confs, base, step_time, max_rows)
-        assert got == vb._choose_loop(confs, base, step_time, max_rows)
+    for record in (False, True):
+        if record:  # the curve moves: cached candidate times must not survive it
+            for rows in curve.buckets * 3:  # a bucket takes real steps from its third on
+                curve.record(rows, 0.01 + rows * 3e-3)  # rows 100x dearer: fewer drafts
+        # vectorised curve, with an offset, and a plain callable
+        for step_time in (curve, _Offset(curve, 0.003), lambda r: curve(r)):
+            want = vb._choose_loop(confs, base, step_time, max_rows)
+            for _ in range(2):
+                assert vb.choose_verify_budget(confs, base, step_time, max_rows) == want
 
 
 def test_padded_curve_is_a_step_function_and_the_chooser_fills_buckets():
