@@ -230,7 +230,9 @@ class StepCostCurve:
             rows = np.arange(lo, hi + 1) if totals is None else np.asarray(totals, dtype=np.int64)
             if len(self._stops_cache) >= 64:  # bounded: loads vary over a run
                 self._stops_cache.clear()
-            hit = self._stops_cache[(lo, hi)] = (rows, self.many(rows))
+            times = self.many(rows)
+            rows.flags.writeable = times.flags.writeable = False  # shared by later calls
+            hit = self._stops_cache[(lo, hi)] = (rows, times)
         return hit
 
     def many(self, rows: np.ndarray) -> np.ndarray:
