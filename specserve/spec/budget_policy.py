@@ -225,12 +225,13 @@ class VerifyBudgetPolicy:
         overlapped decoding (num_verify all 0 when plain wins).
 
         The rows are priced as a decode-only step of the requests decoding (one row each plus
-        their drafts): prompt chunks sharing the step are left out. The scheduler gives the
-        token budget to decode and verify rows first, so where prompt work fills the budget a
-        draft row displaces a prompt row to a later step, and where it does not, the prompt rows
-        are work the run does anyway: either way a draft row costs the run one row. (Priced
-        next to the prompt rows, every draft looked cheap; capped at the budget the prompt rows
-        left, none was verified while prompts were coming in.)"""
+        their drafts): prompt chunks sharing the step are left out. The scheduler serves running
+        requests in admission order before new prompts, so drafts of requests already decoding
+        mostly come before the prompt chunks: where prompt work fills the token budget a draft
+        row displaces a prompt row to a later step, and where it does not, the prompt rows are
+        work the run does anyway. Either way a draft row costs the run one row. (Priced next to
+        the prompt rows, every draft looked cheap; capped at the budget the prompt rows left,
+        none was verified while prompts were coming in.)"""
         base = num_ready
         # A synchronous step's period is its launch-to-readback time (the curve) plus the host
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
