@@ -17,7 +17,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
-from specserve.ops.fused import rope_
+from specserve.ops.fused import rope_, rope_write_kv_
 
 
 class Attention(nn.Module):
@@ -49,18 +49,18 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.qk_norm:
+            v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
             # q, k are fresh norm outputs here, so rotating them in place (fused path) is safe.
             q, k = rope_(q, cos_sin), rope_(k, cos_sin)
+            write_kv(k, v, cache, ctx.slot_mapping, all_valid)
         else:
-            # q and k rotate together: one set of rope ops (or one kernel) for both. The fused
-            # path rotates this view of qkv in place; q, k are then strided views of qkv.
-            qk = rope_(qkv[:, : self.q_size + self.kv_size].view(t, h + hkv, d), cos_sin)
-            q, k = qk[:, :h], qk[:, h:]
-        write_kv(k, v, cache, ctx.slot_mapping, all_valid)
+            # q and k rotate together and k, v go to the cache in the same pass: one kernel on
+            # the fused path (q, rotated in place, is then a strided view of qkv).
+            heads = qkv.view(t, h + 2 * hkv, d)
+            q = rope_write_kv_(heads, h, cos_sin, cache, ctx.slot_mapping, all_valid)
         o = paged_attention(q, cache, ctx, self.scale)  # [T, H, D]
         return self.o_proj(o.view(t, self.q_size))
 

@@ -2,7 +2,8 @@
 
 Why: batch-1 decode on a GPU is launch-bound between the matmuls. Unfused, each layer spends a
 dozen tiny kernels on RMSNorm, the residual adds, rotary (roll/mul/mul/add) and silu/mul; fused,
-that is four launches (add+norm twice, one rotary over q and k, silu-and-mul).
+that is four launches (add+norm twice, one rotary over q and k that also writes k and v to the
+KV cache, silu-and-mul).
 
 Dispatch, per call: the Triton kernel when the tensor is on CUDA, triton is importable
 (`use_triton`) and $SPECSERVE_FUSED_OPS is not "0" (read at call time, so a test or benchmark can
@@ -24,6 +25,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from specserve.model.forward_context import KVCache
+from specserve.ops.attention import write_kv
 from specserve.ops.pdl import launch_options
 from specserve.ops.triton_attention import use_triton
 
@@ -148,6 +151,53 @@ def rope_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         num_warps=4 if block_h * block_half >= 1024 else 2, **launch_options(x),
     )  # fmt: skip
     return x
+
+
+def rope_write_kv_(
+    qkv: torch.Tensor,  # [T, H + 2 Hkv, D]: the qkv projection output, last dim contiguous
+    num_q_heads: int,
+    cos_sin: torch.Tensor,  # [T, 2, 1, D]
+    cache: KVCache,
+    slot_mapping: torch.Tensor,  # [T] int64, negative = padding row
+    all_valid: bool | None = None,
+) -> torch.Tensor:  # q [T, H, D], rotated
+    """Rotary over q and k, then k and v into their cache slots (as `rope_` + `write_kv`).
+
+    On the fused path one kernel does it all (one launch fewer per layer: batch-1 decode is
+    launch-bound between the matmuls); q is rotated in place and returned as a view of qkv, and
+    the k columns of qkv are left unrotated (only the cache is read after this).
+    """
+    t, nh, d = qkv.shape
+    hkv = (nh - num_q_heads) // 2
+    fused = (
+        _enabled(qkv)
+        and qkv.stride(-1) == 1
+        and cos_sin.stride(-1) == 1
+        and d % 2 == 0
+        and cache.k.stride(-1) == 1
+        and cache.v.stride(-1) == 1
+    )
+    if not fused:
+        qk = rope_(qkv[:, : num_q_heads + hkv], cos_sin)
+        write_kv(qk[:, num_q_heads:], qkv[:, num_q_heads + hkv :], cache, slot_mapping, all_valid)
+        return qk[:, :num_q_heads]
+    assert cos_sin.shape == (t, 2, 1, d), (qkv.shape, cos_sin.shape)
+    assert cache.k.shape[2:] == (hkv, d), (qkv.shape, cache.k.shape)
+    if t == 0:
+        return qkv[:, :num_q_heads]
+    half = d // 2
+    block_half = _pow2(half)
+    block_h = min(_pow2(nh), max(1, 2048 // block_half))  # as in rope_
+    _kernels()._rope_write_kv_kernel[(t, _cdiv(nh, block_h))](
+        qkv, cos_sin, cache.k, cache.v, slot_mapping,
+        qkv.stride(0), qkv.stride(1), cos_sin.stride(0), cos_sin.stride(1),
+        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+        cache.v.stride(0), cache.v.stride(1), cache.v.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=hkv, HALF=half, BLOCK_HALF=block_half,
+        BLOCK_H=block_h, PAGE=cache.block_size,
+        num_warps=4 if block_h * block_half >= 1024 else 2, **launch_options(qkv),
+    )  # fmt: skip
+    return qkv[:, :num_q_heads]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

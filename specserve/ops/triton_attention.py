@@ -139,6 +139,19 @@ def choose_num_splits(num_programs: int, max_context_len: int, device: torch.dev
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+# Split-KV tile counters per device. They are zero between launches (the last program of each
+# tile resets its own), so a launch never clears them. They only grow: a CUDA graph keeps the
+# address it captured, so every buffer handed out stays alive.
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:  # [>= n] int32
+    bufs = _counters.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1024), device=device, dtype=torch.int32))
+    return bufs[-1]
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, H, D], last dim contiguous
     cache: KVCache,
@@ -171,12 +184,12 @@ def paged_attention_triton(
     if splits > 1:
         o_part = torch.empty(splits, t, h, d, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(splits, t, h, device=q.device, dtype=torch.float32)
+        counters = _split_counters(num_tiles * b * hkv, q.device)
     else:
-        o_part = lse_part = out  # unused by the kernel when NUM_SPLITS == 1
+        o_part = lse_part = counters = out  # unused by the kernel when NUM_SPLITS == 1
     fp32 = cache.k.dtype == torch.float32
-    kernels = _kernels()
-    kernels._paged_attention_kernel[(num_tiles * splits, b, hkv)](
-        q, cache.k, cache.v, out, o_part, lse_part,
+    _kernels()._paged_attention_kernel[(num_tiles * splits, b, hkv)](
+        q, cache.k, cache.v, out, o_part, lse_part, counters,
         ctx.query_lens, ctx.cu_query_lens, ctx.context_lens, ctx.block_tables,
         b, t, h, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -189,11 +202,4 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if splits > 1:
-        kernels._combine_splits_kernel[(t, h)](
-            o_part, lse_part, out, ctx.cu_query_lens,
-            b, t, h, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, SPLITS_P2=_pow2(splits), HEAD_DIM=d, HEAD_DIM_P2=_pow2(d),
-            num_warps=4 if d >= 128 else 2,
-        )  # fmt: skip
     return out

@@ -12,8 +12,12 @@ Paged attention work decomposition (one launch for decode, verify and prefill ro
   * a program walks the keys [0, last visible + 1) of its rows, unmasked up to the first row's
     own position (every row sees those) and masked after it (causal within the request);
   * with NUM_SPLITS > 1 (few programs, long contexts: batch-1 decode) the key range is cut in
-    NUM_SPLITS chunks, each program writes a normalised partial output and its log-sum-exp, and
-    `_combine_splits_kernel` merges them (flash-decoding).
+    up to NUM_SPLITS chunks of whole BLOCK_N steps (flash-decoding). Only the chunks that hold
+    keys run ("live" splits: the grid is sized for a static bound, the context is often far
+    shorter); each writes a normalised partial output and its log-sum-exp, and the last live
+    program of the tile to finish (an acq_rel counter) merges them and resets the counter. One
+    launch: a separate combine kernel cost ~2 us per layer of a batch-1 step, mostly its
+    launch gap. A tile whose keys fit one chunk writes its output directly.
 Everything data-dependent (query/context lengths, block tables) is read from device tensors, so
 the launch is graph-capturable; programs whose tile lies past their request's rows exit at once.
 """
@@ -126,6 +130,7 @@ def _paged_attention_kernel(
     out_ptr,  # [T, H, D]            (NUM_SPLITS == 1)
     o_part_ptr,  # [S, T, H, D] fp32 (NUM_SPLITS > 1)
     lse_part_ptr,  # [S, T, H] fp32, log2 domain
+    count_ptr,  # [num_q_tiles * B * Hkv] int32, zero between launches (NUM_SPLITS > 1)
     query_lens_ptr,  # [B] int32
     cu_query_lens_ptr,  # [B + 1] int32
     context_lens_ptr,  # [B] int32
@@ -166,11 +171,11 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_P2)
     d_ok = d < HEAD_DIM
 
-    if NUM_SPLITS == 1:
+    if split == 0:
         # The reference returns zeros for rows past the last request; the last request's
-        # programs write them (the combine kernel does it when splitting).
+        # programs write them.
         if b == num_reqs - 1:
-            num_tiles = tl.num_programs(0)
+            num_tiles = tl.num_programs(0) // NUM_SPLITS
             first_pad = tl.load(cu_query_lens_ptr + num_reqs)
             zeros = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=out_ptr.dtype.element_ty)
             for r0 in range(first_pad + tile * BLOCK_Q, num_rows, num_tiles * BLOCK_Q):
@@ -197,6 +202,9 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)  # past the tile's last visible key
     # This split's key chunk, in whole BLOCK_N steps; with one split it is [0, kv_end).
     chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(kv_end, chunk)  # splits that hold keys; the rest have nothing to do
+    if split >= live:
+        return
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
     full_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -220,51 +228,54 @@ def _paged_attention_kernel(
             PAGE, BLOCK_N, True, DOT_PRECISION,
         )  # fmt: skip
 
-    # l_i is 0 only for tile rows that are not real, or for an empty split.
+    # l_i is 0 only for tile rows that are not real, or rows that see no key of this split.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
-        o_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    elif live == 1:
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         part_row = (split * num_rows + row) * num_heads + head  # [BLOCK_M] int64
         tl.store(o_part_ptr + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=row_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(lse_part_ptr + part_row, lse, mask=row_ok)
+        # Every thread's partial stores precede the release; the last live program acquires
+        # them all, merges, and leaves the counter at zero for the next launch.
+        tl.debug_barrier()
+        counter = count_ptr + (tile * num_reqs + b) * tl.num_programs(2) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
+            _merge_splits(
+                o_part_ptr, lse_part_ptr, out_ptr, o_offs, row, head, row_ok, d, d_ok,
+                live, num_rows, num_heads, BLOCK_M, HEAD_DIM, HEAD_DIM_P2,
+            )  # fmt: skip
+            tl.atomic_xchg(counter, 0)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_rows"])  # as the attention kernel's
-def _combine_splits_kernel(
-    o_part_ptr,  # [S, T, H, D] fp32, each split's normalised output
-    lse_part_ptr,  # [S, T, H] fp32, each split's log2-sum-exp2 (-inf = empty split)
-    out_ptr,  # [T, H, D]
-    cu_query_lens_ptr,  # [B + 1] int32
-    num_reqs,
-    num_rows,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM_P2)
-    d_ok = d < HEAD_DIM
-    out_offs = row * stride_ot + head * stride_oh + d
-    if row >= tl.load(cu_query_lens_ptr + num_reqs):  # padding row: no split wrote it
-        tl.store(out_ptr + out_offs, tl.zeros([HEAD_DIM_P2], out_ptr.dtype.element_ty), d_ok)
-        return
-    s = tl.arange(0, SPLITS_P2)
-    s_ok = s < NUM_SPLITS
-    part_row = (s * num_rows + row) * num_heads + head  # [SPLITS_P2]
-    lse = tl.load(lse_part_ptr + part_row, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_P2], 0 for empty splits
-    o = tl.load(
-        o_part_ptr + part_row[:, None] * HEAD_DIM + d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [SPLITS_P2, HEAD_DIM_P2]
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+@triton.jit
+def _merge_splits(
+    o_part_ptr, lse_part_ptr, out_ptr, o_offs, row, head, row_ok, d, d_ok,
+    live, num_rows, num_heads,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+):  # fmt: skip
+    # Weighted sum of the live splits' outputs, weights exp2(lse - max lse), in split order.
+    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: an all -inf row stays 0
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
+    mask = row_ok[:, None] & d_ok[None, :]
+    for s in range(0, live):
+        part_row = (s * num_rows + row) * num_heads + head
+        # .cg: read from L2, where the other programs' stores landed, never a stale L1 line
+        lse = tl.load(
+            lse_part_ptr + part_row, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+        )  # [BLOCK_M]
+        o_ptrs = o_part_ptr + part_row[:, None] * HEAD_DIM + d[None, :]
+        o = tl.load(o_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # [BLOCK_M, HEAD_DIM_P2]
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    o = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=mask)

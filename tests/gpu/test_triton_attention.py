@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops import triton_attention
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.triton_attention import (
     TileConfig,
@@ -157,6 +158,10 @@ def test_split_kv_matches_reference(cuda, dtype, splits):
     q_lens, c_lens = [1, 1, 5, 9, 40], [1, 700, 5, 650, 400]
     case = make_case(cuda, dtype, q_lens, c_lens, hkv=2, group=4, pad_rows=2, seed=splits)
     check_attention(case, dtype, num_splits=splits)
+    # The last live program of each tile merges the splits and resets its tile's counter: the
+    # next launch (or graph replay) must find them all at zero again.
+    for counters in triton_attention._counters.get(case.q.device, []):
+        assert not counters.any(), counters.nonzero()
 
 
 @pytest.mark.gpu

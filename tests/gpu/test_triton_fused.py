@@ -157,6 +157,41 @@ def test_rope_contiguous_heads(cuda, set_fused) -> None:
     torch.testing.assert_close(fused.rope_(q, cos_sin), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 64), (32, 8, 128), (3, 1, 96)])
+@pytest.mark.parametrize("t", [1, 7, 40])
+def test_rope_write_kv(cuda, set_fused, kernel_calls, dtype, heads, kv_heads, head_dim, t) -> None:
+    """One kernel = rotary over q and k + the KV write, against rope_ and write_kv unfused:
+    the same q, the same cache (rotated k, raw v in each row's slot), padding rows write none."""
+    d, block_size, num_blocks = head_dim, 16, 8
+    qkv = _randn(t, heads + 2 * kv_heads, d, dtype=dtype, device=cuda, seed=t + d)
+    rotary = RotaryEmbedding(d, 500000.0, None, 8192)
+    positions = torch.randint(0, 5000, (t,), generator=torch.Generator().manual_seed(t)).to(cuda)
+    cos_sin = rotary.cos_sin(positions, 5000, dtype)  # [T, 2, 1, D]
+    gen = torch.Generator().manual_seed(d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[::3] = -1  # padding rows
+    slots = slots.to(cuda)
+    shape = (num_blocks, block_size, kv_heads, d)
+    cache0 = KVCache(*(_randn(*shape, dtype=dtype, device=cuda, seed=s) for s in (1, 2)))
+
+    def run(on: bool) -> tuple[torch.Tensor, KVCache]:
+        set_fused(on)
+        cache = KVCache(cache0.k.clone(), cache0.v.clone())
+        x = qkv.clone()
+        return fused.rope_write_kv_(x, heads, cos_sin, cache, slots).clone(), cache
+
+    ref_q, ref_cache = run(False)
+    assert kernel_calls == []
+    q, cache = run(True)
+    assert len(kernel_calls) == 1
+    torch.testing.assert_close(q, ref_q, **tol(dtype))
+    torch.testing.assert_close(cache.k, ref_cache.k, **tol(dtype))
+    assert torch.equal(cache.v, ref_cache.v)  # copied, not computed
+    torch.testing.assert_close(ref_q, fused.apply_rope(qkv[:, :heads], cos_sin), **tol(dtype))
+
+
 # -- SiLU and mul ------------------------------------------------------------------------------
 
 
@@ -221,16 +256,20 @@ def test_model_fused_matches_reference(cuda, set_fused, kernel_calls, dtype, qk_
         [p for q, c in zip(q_lens, ctx_lens) for p in range(c - q, c)] + [0] * pad, device=cuda
     )
 
-    def run() -> torch.Tensor:
+    def run() -> tuple[torch.Tensor, list[KVCache]]:
         caches = [KVCache(k.to(cuda, dtype), v.to(cuda, dtype)) for k, v in history]
-        return model.compute_logits(model(ids, positions, caches, ctx))
+        return model.compute_logits(model(ids, positions, caches, ctx)), caches
 
     set_fused(False)
-    ref = run()
+    ref, ref_caches = run()
     assert kernel_calls == []
     set_fused(True)
-    got = run()
-    # per layer: two add+norms, rope (q and k separately under qk-norm), silu-and-mul; final norm
+    got, caches = run()
+    for c, r in zip(caches, ref_caches):  # the written K/V (padding rows write none)
+        torch.testing.assert_close(c.k, r.k, **tol(dtype))
+        torch.testing.assert_close(c.v, r.v, **tol(dtype))
+    # per layer: two add+norms, silu-and-mul, and rope with the KV write (without qk-norm) or
+    # rope of q and k separately (with it); the final norm
     per_layer = 5 if qk_norm else 4
     assert len(kernel_calls) == per_layer * cfg.num_hidden_layers + 1
     assert torch.isfinite(got).all()
