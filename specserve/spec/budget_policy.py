@@ -333,6 +333,11 @@ class _Offset:
         rows, f = self.curve.stop_values(lo, hi)
         return rows, f + self.add
 
+    def stop_lists(self, lo: int, hi: int) -> tuple[list[int], list[float]]:
+        rows, f = self.curve.stop_lists(lo, hi)
+        add = self.add
+        return rows, [t + add for t in f]
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

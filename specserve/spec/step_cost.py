@@ -21,6 +21,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +36,18 @@ MAX_LEVEL_SHIFT = 2.0  # unobserved buckets move at most this factor with a real
 # refreshing cost ~2 % of a 6 ms batch-1 verify step on the H200 host; over a window of 32 steps
 # a median lags little in 8
 ENGINE_REFRESH_EVERY = 8
+# up to this many totals the curve prices them in a Python loop: numpy's ~10 calls of a few us
+# each cost more (CPU, batch 1: 35 us, and it ran every 8 steps when the envelope was rebuilt)
+SMALL_STOPS = 64
+
+
+class _Stops(NamedTuple):
+    """The totals of a (lo, hi) range that can win and f at each; lists too, never mutated."""
+
+    rows: np.ndarray  # int64
+    times: np.ndarray
+    row_list: list[int]
+    time_list: list[float]
 
 
 class StepCostCurve:
@@ -75,7 +88,7 @@ class StepCostCurve:
         self._envelope: list[float] | None = None
         # stop_values' results for the envelope they were computed on (a rebuild makes a new list)
         self._stops_env: list[float] | None = None
-        self._stops_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._stops_cache: dict[tuple[int, int], _Stops] = {}
         # records since the envelope was last built; it is rebuilt (when asked for) once this
         # reaches refresh_every, or at once after a structural change (a bucket's first real
         # steps, calibration, loading)
@@ -210,7 +223,7 @@ class StepCostCurve:
         if not self.padded:
             return None
         bs = self.buckets
-        out = [b for b in bs[bisect.bisect_left(bs, lo) :] if b <= hi]
+        out = bs[bisect.bisect_left(bs, lo) : bisect.bisect_right(bs, hi)]
         if hi < bs[-1] and (not out or out[-1] != hi):
             out.append(hi)  # hi inside a bucket's segment: the top of what is reachable
         out.extend(range(max(lo, bs[-1] + 1), hi + 1))
@@ -221,18 +234,34 @@ class StepCostCurve:
         The chooser asks with the same lo and hi step after step (the same requests decoding)
         while the curve changes at most every refresh_every records: cached per envelope, it
         costs a dict lookup instead of ~40 us of numpy at 64 requests x 4 drafts."""
+        hit = self._stops(lo, hi)
+        return hit.rows, hit.times
+
+    def stop_lists(self, lo: int, hi: int) -> tuple[list[int], list[float]]:
+        """stop_values as Python lists (the chooser's loop for a few drafts: numpy's per-call
+        overhead would be most of its time)."""
+        hit = self._stops(lo, hi)
+        return hit.row_list, hit.time_list
+
+    def _stops(self, lo: int, hi: int) -> _Stops:
         env = self._curve()
         if self._stops_env is not env:
             self._stops_env, self._stops_cache = env, {}
         hit = self._stops_cache.get((lo, hi))
         if hit is None:
             totals = self.stops(lo, hi)
-            rows = np.arange(lo, hi + 1) if totals is None else np.asarray(totals, dtype=np.int64)
+            row_list = list(range(lo, hi + 1)) if totals is None else totals
+            if len(row_list) <= SMALL_STOPS:
+                time_list = self.values(row_list)
+                rows, times = np.array(row_list, dtype=np.int64), np.array(time_list)
+            else:
+                rows = np.array(row_list, dtype=np.int64)
+                times = self.many(rows)
+                time_list = times.tolist()
+            rows.flags.writeable = times.flags.writeable = False  # shared by later calls
             if len(self._stops_cache) >= 64:  # bounded: loads vary over a run
                 self._stops_cache.clear()
-            times = self.many(rows)
-            rows.flags.writeable = times.flags.writeable = False  # shared by later calls
-            hit = self._stops_cache[(lo, hi)] = (rows, times)
+            hit = self._stops_cache[(lo, hi)] = _Stops(rows, times, row_list, time_list)
         return hit
 
     def many(self, rows: np.ndarray) -> np.ndarray:

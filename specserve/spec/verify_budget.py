@@ -62,10 +62,15 @@ def _choose_loop(
     # then to the earlier request
     items.sort()
     cap = max(0, min(len(items), max_rows - base_rows))
-    ms = _candidates(step_time, base_rows, cap)
-    values = getattr(step_time, "values", None)
-    totals = [base_rows + m for m in ms]
-    times = values(totals) if values is not None else [step_time(r) for r in totals]
+    stop_lists = getattr(step_time, "stop_lists", None)
+    if stop_lists is not None:  # cached by the curve: no per-step pricing
+        rows, times = stop_lists(base_rows, base_rows + cap)
+        ms = [r - base_rows for r in rows]
+    else:
+        ms = _candidates(step_time, base_rows, cap)
+        values = getattr(step_time, "values", None)
+        totals = [base_rows + m for m in ms]
+        times = values(totals) if values is not None else [step_time(r) for r in totals]
     best_m, best_rate, best_tokens, best_time = 0, -1.0, float(n_req), times[0]
     tokens, taken = float(n_req), 0
     for m, t in zip(ms, times):
