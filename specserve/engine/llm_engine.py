@@ -384,6 +384,8 @@ class LLMEngine:
         with a drafter and draft=True (the next step is synchronous), draft the next step.
         Outputs belong to out_step for the pool."""
         batch, seqs = launched.batch, launched.seqs
+        if self.step_timer is not None:
+            self.step_timer.flush()  # the budget's bookkeeping, while the device runs the step
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)

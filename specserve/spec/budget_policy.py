@@ -91,6 +91,7 @@ class VerifyBudgetPolicy:
         self.chosen_rows = 0
         self.offered_rows = 0
         self._calls = 0
+        self._last_range: tuple[int, int] | None = None  # the totals the chooser last priced
 
     # -- curve ----------------------------------------------------------------------------------
     def _cache_path(self, root: Path | None, buckets: list[int]) -> Path | None:
@@ -212,6 +213,16 @@ class VerifyBudgetPolicy:
         if self.plain is not None:
             self.plain.record(rows, seconds, kv_tokens, requests)
 
+    def prepare(self) -> None:
+        """Work the next trim would otherwise do, done ahead while the device is busy
+        (StepTimer.flush): rebuild stale curves and price the totals the chooser asked for last
+        (the same requests decoding ask for the same range)."""
+        self.curve.refresh()
+        if self._last_range is not None:
+            self.curve.stop_lists(*self._last_range)
+        if self.plain is not None:
+            self.plain.refresh()
+
     # -- the choice -----------------------------------------------------------------------------
     def _kv_tokens(self, ready: list[Sequence]) -> int:
         """Context tokens the next step's decode requests read (drafts and prefill chunks
@@ -239,6 +250,9 @@ class VerifyBudgetPolicy:
         # context and per-request terms are fixed too: the requests do not change with the rows.
         period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
+        if count:
+            drafts = sum(map(len, usable))
+            self._last_range = (base, base + max(0, min(drafts, self.max_rows - base)))
         if self.plain is not None and any(choice.num_verify):
             # one token per decode request in an overlapped step of `base` rows (its curve holds
             # whole periods: host work hidden), against the speculative step's period

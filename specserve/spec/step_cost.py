@@ -276,6 +276,10 @@ class StepCostCurve:
         out = np.where(rows <= bs[0], env[0], out)
         return np.where(rows > bs[-1], env[-1] * r / bs[-1], out)
 
+    def refresh(self) -> None:
+        """Rebuild the envelope now if records made it stale (else the next question does)."""
+        self._curve()
+
     def _curve(self) -> list[float]:
         if self._envelope is None:
             self._pending = 0

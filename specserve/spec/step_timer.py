@@ -1,7 +1,12 @@
 """What the verify budget learns from the engine's own steps: each step's time as the chooser
 prices it. A synchronous decode/verify step costs its launch-to-readback (the step-cost curve)
 plus the host work around it up to the next step() (the sync overhead); an overlapped step in
-steady state costs the time between consecutive readbacks (the plain curve)."""
+steady state costs the time between consecutive readbacks (the plain curve).
+
+Measurements are handed to the budget in flush(), which the engine calls while the device runs
+the next step (before it waits for that step's readback): the curves' bookkeeping then costs
+the step nothing, where at the readback it delayed the next launch (synchronous steps at batch
+1: the host work between a readback and the next launch is on the critical path)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ class StepTimer:
         self._candidate: tuple[float, float] | None = None  # this step()'s, until it ends
         self._launch_to_readback: float | None = None  # of the synchronous step just read
         self._last_readback: float | None = None  # when the last overlapped step was read back
+        # (plain?, rows, seconds, kv tokens, requests) measured since the last flush()
+        self._pending: list[tuple[bool, int, float, int, int]] = []
 
     def begin_step(self, t_start: float) -> None:
         if self._sync_period is not None:
@@ -44,7 +51,7 @@ class StepTimer:
         shaped = batch.is_decode_shaped
         requests = len(step.seqs)
         if not step.overlapped and shaped:
-            self.budget.record_step(batch.num_rows, now - step.t0, kv, requests)
+            self._pending.append((False, batch.num_rows, now - step.t0, kv, requests))
             self._launch_to_readback = now - step.t0
         elif step.behind and self._last_readback is not None and shaped:
             # overlapped: a step's launch-to-readback also spans its predecessor; in steady
@@ -52,8 +59,20 @@ class StepTimer:
             # queued behind its predecessor: one launched after a flush (a drafting round that
             # kept nothing) ran with its host work exposed, and priced plain decoding 10 % too
             # dear (H200, R = 0.5, C = 64: auto speculated and lost 6 %)
-            self.budget.record_plain_step(batch.num_rows, now - self._last_readback, kv, requests)
+            self._pending.append((True, batch.num_rows, now - self._last_readback, kv, requests))
         self._last_readback = now if step.overlapped else None
+
+    def flush(self) -> None:
+        """Record the steps measured since the last flush and let the budget refresh its curves
+        (module docstring: the engine calls this while the device is busy)."""
+        budget = self.budget
+        for plain, rows, seconds, kv, requests in self._pending:
+            if plain:
+                budget.record_plain_step(rows, seconds, kv, requests)
+            else:
+                budget.record_step(rows, seconds, kv, requests)
+        self._pending.clear()
+        budget.prepare()
 
     def sync_step_processed(self, t_start: float, measured: bool) -> None:
         """The synchronous step of this step() is through the ledger. measured=False when the

@@ -303,20 +303,22 @@ def test_the_plain_curve_learns_only_from_steps_queued_behind_another(monkeypatc
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
     monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: False)  # a drafting round each pause
-    current = []
-    real_process = eng._process
+    current, queued, recorded = [], [], []
+    timer = eng.step_timer
+    real_read_back, real_plain = timer.read_back, eng.budget.record_plain_step
 
-    def process(launched, out_step, draft):
+    def read_back(launched):
         current.append(launched)
-        return real_process(launched, out_step, draft)
+        n = len(timer._pending)
+        real_read_back(launched)
+        if len(timer._pending) > n and timer._pending[-1][0]:
+            queued.append(launched)  # a plain measurement, recorded at the next flush
 
-    recorded = []
-    real_plain = eng.budget.record_plain_step
-    monkeypatch.setattr(eng, "_process", process)
+    monkeypatch.setattr(timer, "read_back", read_back)
     monkeypatch.setattr(
         eng.budget,
         "record_plain_step",
-        lambda *a: recorded.append(current[-1]) or real_plain(*a),
+        lambda *a: recorded.append(queued[len(recorded)]) or real_plain(*a),
     )
     _run(llm, prompts, sp)
     after_flush = [x for x in current if x.overlapped and not x.behind and x.batch.is_decode_shaped]

@@ -260,3 +260,31 @@ def test_drafts_are_priced_as_in_a_decode_step_whatever_prompt_work_shares_it():
         # 16 + 16 * 0.9 = 30.4 tokens in 3.0 beats 16 in 2.0; 16 + 16 * 0.3 = 20.8 does not
         assert p.trim(ready, drafts, [[0.9]] * 16) == [1] * 16, prompt_rows
         assert p.trim(ready, drafts, [[0.3]] * 16) == [0] * 16, prompt_rows
+
+
+def test_prepare_does_the_next_trims_curve_work_ahead():
+    """prepare() runs while the device is busy: it rebuilds the envelope records made stale
+    and prices the range the chooser asked for last, so the next trim finds both cached. The
+    choice is the same as without it."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    def policy() -> VerifyBudgetPolicy:
+        curve = StepCostCurve([1, 2, 4, 8, 16], padded=True, refresh_every=4)
+        curve.calibrate(lambda rows: 1.0 + rows / 8, reps=1)
+        sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=8)
+        return VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 64, curve)
+
+    ready = [SimpleNamespace(num_tokens=50)] * 2
+    drafts, confs = [[1, 2, 3]] * 2, [[0.9, 0.8, 0.5]] * 2
+    ahead, plain = policy(), policy()
+    for step in range(12):
+        choice = ahead.trim(ready, drafts, confs)
+        assert choice == plain.trim(ready, drafts, confs), step
+        for p in (ahead, plain):
+            p.record_step(2 + sum(choice), 1.2 + 0.01 * step, 100, 2)
+        ahead.prepare()
+        curve = ahead.curve
+        assert curve._envelope is not None  # rebuilt now, not in the next trim
+        assert (2, 8) in curve._stops_cache and curve._stops_env is curve._envelope

@@ -10,6 +10,10 @@ from specserve.spec.step_timer import StepTimer
 class _Budget:
     def __init__(self) -> None:
         self.sync, self.steps, self.plain = [], [], []
+        self.prepared = 0
+
+    def prepare(self) -> None:
+        self.prepared += 1
 
     def record_sync_overhead(self, s: float) -> None:
         self.sync.append(s)
@@ -37,6 +41,7 @@ def test_sync_overhead_is_the_gap_to_the_next_step_capped_at_the_step(monkeypatc
     timer.end_step(unfinished=True, drained=True)
     timer.begin_step(1.005)  # 1 ms after the 4 ms launch-to-readback
     assert budget.sync == [pytest.approx(0.001)]
+    timer.flush()
     assert budget.steps == [(2, pytest.approx(0.004), 22, 2)]
     timer.read_back(_decode_step(2.0, overlapped=False, behind=False))
     timer.sync_step_processed(2.0, measured=True)
@@ -54,6 +59,7 @@ def test_no_overhead_after_the_last_step_or_after_a_flush(unfinished, measured):
     timer.sync_step_processed(1.0, measured=measured)
     timer.end_step(unfinished=unfinished, drained=True)
     timer.begin_step(50.0)
+    timer.flush()
     assert budget.sync == [] and len(budget.steps) == 1
 
 
@@ -67,8 +73,30 @@ def test_plain_steps_are_timed_between_readbacks_of_steps_queued_behind_another(
     timer.read_back(_decode_step(1.016, overlapped=True, behind=False))  # after a flush: skipped
     timer.end_step(unfinished=True, drained=False)
     timer.read_back(_decode_step(1.017, overlapped=True, behind=True))  # 6 ms
+    timer.flush()
     assert [round(s, 6) for _, s, _, _ in budget.plain] == [0.005, 0.006]
     timer.end_step(unfinished=True, drained=True)  # drained: the next interval is idle time
     monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: 5.0)
     timer.read_back(_decode_step(4.0, overlapped=True, behind=True))
+    timer.flush()
     assert len(budget.plain) == 2
+
+
+def test_measurements_reach_the_budget_at_flush_in_order(monkeypatch):
+    """The engine flushes while the device runs the next step: until then nothing is recorded,
+    and a flush hands over every step measured since the last one, then lets the budget
+    prepare its curves."""
+    budget = _Budget()
+    timer = StepTimer(budget)
+    clock = iter([1.004, 1.010, 1.015])
+    monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: next(clock))
+    timer.read_back(_decode_step(1.0, overlapped=False, behind=False))
+    assert budget.steps == [] and budget.prepared == 0
+    timer.read_back(_decode_step(1.005, overlapped=True, behind=False))
+    timer.read_back(_decode_step(1.006, overlapped=True, behind=True))
+    timer.flush()
+    assert budget.steps == [(2, pytest.approx(0.004), 22, 2)]
+    assert budget.plain == [(2, pytest.approx(0.005), 22, 2)]
+    assert budget.prepared == 1
+    timer.flush()  # nothing new: nothing recorded twice
+    assert len(budget.steps) == 1 and len(budget.plain) == 1 and budget.prepared == 2
