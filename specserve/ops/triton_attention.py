@@ -101,7 +101,7 @@ class TileConfig:
 
 
 def choose_tile_config(
-    max_query_len: int, group: int, head_dim: int, elem_bytes: int = 2
+    max_query_len: int, group: int, head_dim: int, elem_bytes: int = 2, wide_grid: bool = False
 ) -> TileConfig:
     """Tile shapes from the static bound on rows per request (a Python int: no sync).
 
@@ -109,14 +109,21 @@ def choose_tile_config(
     few rows as tl.dot allows (16), since K/V bandwidth, not the MMA, is the limit there.
     Prefill: 128-row tiles (64 at head_dim > 128) so each K/V tile feeds enough math.
     block_n shrinks until the pipelined K+V buffers fit shared memory (fp32, head_dim 256).
+    wide_grid: the requests x KV heads fill the GPU without splitting the keys (grid_is_wide).
     """
     want = max(1, max_query_len) * group
     cap = 128 if head_dim <= 128 else 64
     block_m = min(max(16, _pow2(want)), max(cap, _pow2(group)))
     block_q = max(1, block_m // group)
-    if block_m <= 16:
-        # Decode: 128-key steps keep more bytes in flight (H200 sweep, batch 64 x 4k: 262 µs
-        # vs 337 µs at 64 keys x 3 stages).
+    if block_m <= 16 and wide_grid:
+        # Decode over many requests: many small programs per SM beat fewer big ones (H200, 8B
+        # heads, `results/h200/diag/attn_decode_tiles.json`: batch 64 at 300-500 keys 42.3 vs
+        # 45.0 us, at 3-4k keys 227 vs 234; batch 256 at 300-500 keys 118.5 vs 126.5).
+        block_n, warps, stages = 64, 2, 2
+    elif block_m <= 16:
+        # Decode over few requests (the keys split across programs): 128-key steps keep more
+        # bytes in flight (batch 1 and 16, the same sweep; earlier, batch 64 x 4k: 262 µs vs
+        # 337 µs at 64 keys x 3 stages and 4 warps).
         block_n, warps, stages = 128, 4, 2
     elif block_m <= 64:
         block_n, warps, stages = 64, 4, 3
@@ -127,11 +134,20 @@ def choose_tile_config(
     return TileConfig(block_q, block_m, block_n, warps, stages)
 
 
-def choose_num_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
-    """Split the key range only when the grid leaves SMs idle (small batch, long context)."""
+def _target_programs(device: torch.device) -> int:
     # Off CUDA (Triton's CPU interpreter, for tests) assume an H200's 132 SMs.
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    target = PROGRAMS_PER_SM * sms
+    return PROGRAMS_PER_SM * sms
+
+
+def grid_is_wide(num_programs: int, device: torch.device) -> bool:
+    """Does a grid of this many (query tile, request, KV head) programs fill the GPU unsplit?"""
+    return num_programs >= _target_programs(device)
+
+
+def choose_num_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
+    """Split the key range only when the grid leaves SMs idle (small batch, long context)."""
+    target = _target_programs(device)
     if num_programs >= target:
         return 1
     by_occupancy = math.ceil(target / num_programs)
@@ -178,7 +194,9 @@ def paged_attention_triton(
     if b == 0:
         return out.zero_()
     group = h // hkv
-    cfg = config or choose_tile_config(ctx.max_query_len, group, d, cache.k.element_size())
+    cfg = config or choose_tile_config(
+        ctx.max_query_len, group, d, cache.k.element_size(), grid_is_wide(b * hkv, q.device)
+    )
     num_tiles = max(1, math.ceil(ctx.max_query_len / cfg.block_q))
     splits = num_splits or choose_num_splits(num_tiles * b * hkv, ctx.max_context_len, q.device)
     if splits > 1:
