@@ -265,13 +265,14 @@ def test_model_fused_matches_reference(cuda, set_fused, kernel_calls, dtype, qk_
     assert kernel_calls == []
     set_fused(True)
     got, caches = run()
-    # The written K/V (padding rows write none). Layer 0's inputs are the same in both paths,
-    # so its K/V differ by the rotary's rounding at most; later layers carry every earlier
-    # kernel's ulps, as the logits do.
-    loose = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else tol(dtype)
-    for layer, (c, r) in enumerate(zip(caches, ref_caches)):
-        torch.testing.assert_close(c.k, r.k, **(tol(dtype) if layer == 0 else loose))
-        torch.testing.assert_close(c.v, r.v, **(tol(dtype) if layer == 0 else loose))
+    # The written K/V (padding rows write none), to the logits' tolerance: even layer 0's k
+    # comes from the fused input norm's ulps, and the rotary's x1*cos + x2*sin can cancel them
+    # into a small value (H200, bf16, qk-norm: 0.0186 off at 0.27, 1 element of 8192). The
+    # kernel's own rounding is checked exactly in test_rope_write_kv.
+    close = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else tol(dtype)
+    for c, r in zip(caches, ref_caches):
+        torch.testing.assert_close(c.k, r.k, **close)
+        torch.testing.assert_close(c.v, r.v, **close)
     # per layer: two add+norms, silu-and-mul, and rope with the KV write (without qk-norm) or
     # rope of q and k separately (with it); the final norm
     per_layer = 5 if qk_norm else 4
