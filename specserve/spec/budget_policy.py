@@ -8,7 +8,6 @@ import hashlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -326,22 +325,14 @@ class VerifyBudgetPolicy:
 
 
 class _Offset:
-    """A step-cost curve plus a constant (scalar and vectorised, as the chooser calls it)."""
+    """A step-cost curve plus a constant, as the chooser asks for it: the curve's cached
+    candidate totals (a constant moves no total's rank) with the constant added."""
 
     def __init__(self, curve: StepCostCurve, add: float) -> None:
         self.curve, self.add = curve, add
 
     def __call__(self, rows: int) -> float:
         return self.curve(rows) + self.add
-
-    def values(self, rows: Iterable[int]) -> list[float]:
-        return [t + self.add for t in self.curve.values(rows)]
-
-    def stops(self, lo: int, hi: int) -> list[int] | None:
-        return self.curve.stops(lo, hi)  # a constant moves no total's rank
-
-    def many(self, rows: np.ndarray) -> np.ndarray:
-        return self.curve.many(rows) + self.add
 
     def stop_values(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         rows, f = self.curve.stop_values(lo, hi)
