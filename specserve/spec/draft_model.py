@@ -63,6 +63,9 @@ class DraftModelDrafter:
     def release(self, seq: Sequence) -> None:
         self._computed.pop(seq.request_id, None)
 
+    def confidence_samples(self) -> float | None:
+        return None  # confidences are the draft model's probabilities
+
     def _valid(self, seq: Sequence) -> int:
         done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
         return done if pre == seq.num_preemptions else 0

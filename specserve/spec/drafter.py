@@ -27,6 +27,12 @@ class Drafter(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
+    def confidence_samples(self) -> float | None:
+        """How many verifications the engine-wide confidence of a first draft rests on, for a
+        drafter whose confidences are learned from outcomes (n-gram); None when they are given
+        (a draft model's probabilities, the golden rate)."""
+        ...
+
 
 def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
     if spec.method == "golden":

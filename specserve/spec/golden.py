@@ -55,3 +55,6 @@ class GoldenDrafter:
 
     def release(self, seq: Sequence) -> None:
         self._right.pop(seq.request_id, None)
+
+    def confidence_samples(self) -> float | None:
+        return None  # the acceptance rate is given

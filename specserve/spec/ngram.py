@@ -68,3 +68,6 @@ class NgramDrafter:
     def release(self, seq: Sequence) -> None:
         self._index.pop(seq.request_id, None)
         self.acceptance.release(seq.request_id)
+
+    def confidence_samples(self) -> float | None:
+        return self.acceptance.global_rates.samples(0)

@@ -31,6 +31,39 @@ def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
     assert policy.trim([object()], [[5, 6, 7]], [[0.9, 0.9, 0.9]]) == [3]
 
 
+def test_every_step_explores_while_learned_confidences_are_young():
+    """A drafter whose confidences are learned (n-gram) and rest on few verifications gets its
+    drafts verified every step, not one step in EXPLORE_EVERY: a low first estimate would
+    otherwise keep itself (nothing verified, nothing learned). Given confidences (None) and
+    learned ones with enough samples explore at the usual rate."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import (
+        EXPLORE_EVERY,
+        EXPLORE_UNTIL_SAMPLES,
+        VerifyBudgetPolicy,
+    )
+
+    curve = StepCostCurve([1, 2, 4, 8])
+    curve.calibrate(lambda rows: 1.0 if rows == 1 else 10.0, reps=1)  # drafts never pay
+    drafter = SimpleNamespace(samples=0)
+    drafter.confidence_samples = lambda: drafter.samples
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=4)
+    eng = SimpleNamespace(scheduler=sched, drafter=drafter)
+    policy = VerifyBudgetPolicy.from_curves(eng, 64, curve)
+
+    def trims(n: int) -> list[list[int]]:
+        return [policy.trim([object()], [[5, 6, 7]], [[0.1, 0.1, 0.1]]) for _ in range(n)]
+
+    assert trims(EXPLORE_EVERY) == [[3]] * EXPLORE_EVERY  # young: every step
+    drafter.samples = EXPLORE_UNTIL_SAMPLES
+    kept = trims(EXPLORE_EVERY)
+    assert kept.count([3]) == 1 and kept.count([0]) == EXPLORE_EVERY - 1
+    drafter.samples = None  # confidences given: the usual rate
+    kept = trims(EXPLORE_EVERY)
+    assert kept.count([3]) == 1 and kept.count([0]) == EXPLORE_EVERY - 1
+
+
 def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
     """With a host drafter, no drafts at all means the step can run overlapped (host work hidden):
     when that plain step is cheap enough, it beats the speculative choice priced on the

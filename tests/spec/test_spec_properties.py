@@ -41,6 +41,9 @@ class CorruptingDrafter:
     def release(self, seq):
         self.inner.release(seq)
 
+    def confidence_samples(self):
+        return self.inner.confidence_samples()
+
 
 def _engine(overlap: bool):
     if overlap not in _ENGINE:

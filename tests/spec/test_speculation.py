@@ -48,6 +48,9 @@ class FixedDrafter:
     def release(self, seq):
         pass
 
+    def confidence_samples(self):
+        return None
+
 
 @pytest.mark.parametrize("cfg", [NGRAM, SELF, TINY_DRAFT], ids=["ngram", "self", "draft"])
 def test_greedy_speculation_is_token_for_token_identical(off, cfg):
