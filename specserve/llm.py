@@ -195,6 +195,7 @@ class LLM:
         return {
             "verify_budget_offered_draft_rows": b.offered_rows,
             "verify_budget_chosen_draft_rows": b.chosen_rows,
+            "verify_budget_seqlens_q": b.seqlens_q(),  # query length -> requests given it
             "verify_budget_expected_accepted_tokens": b.expected_accepted,
             "step_cost_curve": b.curve.points(),  # f(rows): without the two terms below
             "step_cost_kv_seconds_per_token": b.curve.kv_cost,

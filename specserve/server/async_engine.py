@@ -338,5 +338,18 @@ class AsyncEngine:
                 spec_accepted_tokens=spec.num_accepted_tokens,
                 spec_verified_per_position=list(spec.verified_per_position),
                 spec_accepted_per_position=list(spec.accepted_per_position),
+                **_budget_fields(eng),
             )
         )
+
+
+def _budget_fields(eng: LLMEngine) -> dict[str, Any]:
+    b = eng.budget
+    if b is None:
+        return {}
+    return {
+        "budget_offered_draft_tokens": b.offered_rows,
+        "budget_chosen_draft_tokens": b.chosen_rows,
+        "budget_expected_accepted_tokens": b.expected_accepted,
+        "budget_seqlens_q": b.seqlens_q(),
+    }

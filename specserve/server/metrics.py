@@ -83,6 +83,12 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_verified_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # the verify budget's choices (zeros without one): draft rows offered and kept, the
+    # survivals of those kept (expected accepted tokens), requests per chosen query length
+    budget_offered_draft_tokens: int = 0
+    budget_chosen_draft_tokens: int = 0
+    budget_expected_accepted_tokens: float = 0.0
+    budget_seqlens_q: dict[int, int] = field(default_factory=dict)
 
 
 class ServerMetrics:
@@ -225,6 +231,31 @@ class ServerMetrics:
                 "Drafts accepted at each draft position.",
                 "position",
                 {str(i): v for i, v in enumerate(s.spec_accepted_per_position)},
+            )
+            scalar(
+                "spec_decode_verify_budget_offered_draft_tokens_total",
+                "counter",
+                "Drafts the drafter proposed to the verify budget.",
+                s.budget_offered_draft_tokens,
+            )
+            scalar(
+                "spec_decode_verify_budget_chosen_draft_tokens_total",
+                "counter",
+                "Drafts the verify budget kept for verification.",
+                s.budget_chosen_draft_tokens,
+            )
+            scalar(
+                "spec_decode_verify_budget_expected_accepted_tokens_total",
+                "counter",
+                "Sum of the survival probabilities of the drafts kept.",
+                s.budget_expected_accepted_tokens,
+            )
+            per_key(
+                "spec_decode_verify_budget_seqlen_q_total",
+                "counter",
+                "Requests per query length the verify budget chose (1 + drafts kept).",
+                "seqlen_q",
+                {str(n): v for n, v in s.budget_seqlens_q.items()},
             )
         return "\n".join(lines) + "\n"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,6 +95,10 @@ class VerifyBudgetPolicy:
         self.expected_accepted = 0.0  # sum of the survivals of the rows chosen
         self.chosen_rows = 0
         self.offered_rows = 0
+        # requests by drafts kept (a metric: their query length is 1 + that); the trims' lists
+        # are counted in prepare(), off the critical path
+        self._kept_counts: Counter[int] = Counter()
+        self._uncounted: list[list[int]] = []
         self._calls = 0
         self._last_range: tuple[int, int] | None = None  # the totals the chooser last priced
 
@@ -222,11 +226,23 @@ class VerifyBudgetPolicy:
         """Work the next trim would otherwise do, done ahead while the device is busy
         (StepTimer.flush): rebuild stale curves and price the totals the chooser asked for last
         (the same requests decoding ask for the same range)."""
+        self._count_kept()
         self.curve.refresh()
         if self._last_range is not None:
             self.curve.stop_lists(*self._last_range)
         if self.plain is not None:
             self.plain.refresh()
+
+    def _count_kept(self) -> None:
+        for keep in self._uncounted:
+            self._kept_counts.update(keep)
+        self._uncounted.clear()
+
+    def seqlens_q(self) -> dict[int, int]:
+        """How often each query length (1 + drafts kept) was chosen for a request, over all
+        trims so far."""
+        self._count_kept()
+        return {m + 1: n for m, n in sorted(self._kept_counts.items())}
 
     # -- the choice -----------------------------------------------------------------------------
     def _kv_tokens(self, ready: list[Sequence]) -> int:
@@ -293,6 +309,7 @@ class VerifyBudgetPolicy:
             )
         self.offered_rows += sum(len(d) for d in drafts)
         self.chosen_rows += sum(keep)
+        self._uncounted.append(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
         self._trim_times.append(time.perf_counter() - t0)
         return keep

@@ -74,3 +74,23 @@ def test_speculation_metrics_and_step_chunks(spec_server: Served):
     assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == accepted
     if accepted:  # step granularity: an accepted draft lands with its step's other tokens
         assert max(n for _, _, sizes in streamed for n in sizes) > 1
+
+
+def test_verify_budget_metrics(spec_server: Served):
+    """The n-gram server runs the verify budget (auto by default with a drafter): /metrics shows
+    the drafts it was offered and kept, their expected accepted tokens and the query lengths it
+    chose per request, consistent with each other."""
+    _run(spec_server, stream=False)
+    m = parse_prometheus(spec_server.metrics())
+    offered = sample(m, "spec_decode_verify_budget_offered_draft_tokens_total")
+    chosen = sample(m, "spec_decode_verify_budget_chosen_draft_tokens_total")
+    expected = sample(m, "spec_decode_verify_budget_expected_accepted_tokens_total")
+    lens = {
+        int(key.split('seqlen_q="')[1].split('"')[0]): v
+        for key, v in m.items()
+        if key.startswith("specserve:spec_decode_verify_budget_seqlen_q_total")
+    }
+    assert offered > 0 and 0 <= chosen <= offered
+    assert 0 <= expected <= chosen
+    assert lens and min(lens) >= 1 and max(lens) <= 1 + SPEC["num_speculative_tokens"]
+    assert sum((n - 1) * v for n, v in lens.items()) == chosen  # every kept draft is a row

@@ -56,6 +56,7 @@ def test_every_step_explores_while_learned_confidences_are_young():
         return [policy.trim([object()], [[5, 6, 7]], [[0.1, 0.1, 0.1]]) for _ in range(n)]
 
     assert trims(EXPLORE_EVERY) == [[3]] * EXPLORE_EVERY  # young: every step
+    assert policy.seqlens_q() == {4: EXPLORE_EVERY}  # the metric: 1 + 3 drafts, per request
     drafter.samples = EXPLORE_UNTIL_SAMPLES
     kept = trims(EXPLORE_EVERY)
     assert kept.count([3]) == 1 and kept.count([0]) == EXPLORE_EVERY - 1
