@@ -1,6 +1,8 @@
 """`specserve bench plot`: throughput reports (JSON from `bench throughput --baseline hf`) into
 one PNG, one panel per report, specserve vs HF bars with the ratio written above them. Also the
-golden-curve chart (`plot_golden_curve`, drawn from its JSON report).
+golden-curve chart (`plot_golden_curve`, drawn from its JSON report), the speculation sweep's
+tok/s-vs-concurrency lines (`plot_sweep`) and the serving benchmark's latency panels
+(`plot_serve_report`).
 
     specserve bench plot results/h200/b1_llama8b.json results/h200/b1_smollm2.json \
         results/h200/tp256_llama8b.json --out results/h200/specserve_vs_hf.png
@@ -184,6 +186,62 @@ def plot_golden_curve(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(levels: list[int], series: dict[str, list[float]], title: str, path: str) -> None:
+    """One line per mode (label -> output tok/s at each level) against concurrency, log2 axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (label, ys), style in zip(series.items(), ("o-", "s--", "^-", "d:")):
+        ax.plot(levels, ys, style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_serve_report(r: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    ok = [x for x in r["per_request"] if x["ok"]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = (
+        (axes[0][0], [x["ttft"] * 1000 for x in ok], "TTFT (ms)"),
+        (axes[0][1], [x["tpot"] * 1000 for x in ok if x["tpot"] is not None], "TPOT (ms)"),
+        (axes[1][0], [g * 1000 for x in ok for g in x["itl"]], "inter-token latency (ms)"),
+    )
+    for ax, xs, title in panels:
+        if xs:
+            ax.hist(xs, bins=40, color="tab:blue")
+        ax.set_title(title)
+        ax.set_ylabel("count")
+    ax = axes[1][1]
+    ax.scatter([x["start"] for x in ok], [x["e2e"] for x in ok], s=8, c="tab:orange")
+    ax.set_xlabel("request sent (s since start)")
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_title("latency over the run")
+    rate = r["settings"]["request_rate"]
+    fig.suptitle(
+        f"{r['model']}: {r['completed']} requests, rate {rate}, "
+        f"{r['output_throughput']:.1f} output tok/s",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -293,6 +293,8 @@ def run_serve_bench(s: ServeBenchSettings) -> dict[str, Any]:
     if s.json_path:
         write_json(report, s.json_path)
     if s.plot_path:
+        from specserve.bench.plot_results import plot_serve_report
+
         plot_serve_report(report, s.plot_path)
     return report
 
@@ -330,40 +332,6 @@ def format_report(r: dict[str, Any]) -> str:
     if r["errors"]:
         lines.append("Errors: " + "; ".join(r["errors"]))
     return "\n".join([*lines, "=" * 60])
-
-
-def plot_serve_report(r: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    ok = [x for x in r["per_request"] if x["ok"]]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = (
-        (axes[0][0], [x["ttft"] * 1000 for x in ok], "TTFT (ms)"),
-        (axes[0][1], [x["tpot"] * 1000 for x in ok if x["tpot"] is not None], "TPOT (ms)"),
-        (axes[1][0], [g * 1000 for x in ok for g in x["itl"]], "inter-token latency (ms)"),
-    )
-    for ax, xs, title in panels:
-        if xs:
-            ax.hist(xs, bins=40, color="tab:blue")
-        ax.set_title(title)
-        ax.set_ylabel("count")
-    ax = axes[1][1]
-    ax.scatter([x["start"] for x in ok], [x["e2e"] for x in ok], s=8, c="tab:orange")
-    ax.set_xlabel("request sent (s since start)")
-    ax.set_ylabel("end-to-end latency (s)")
-    ax.set_title("latency over the run")
-    rate = r["settings"]["request_rate"]
-    fig.suptitle(
-        f"{r['model']}: {r['completed']} requests, rate {rate}, "
-        f"{r['output_throughput']:.1f} output tok/s",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -335,45 +335,25 @@ def _checks(
 
 
 def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse.Namespace) -> None:
-    import matplotlib
+    from specserve.bench.plot_results import plot_sweep
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, style in zip(MODES, ("o-", "s--", "^-")):
-        ys = [
+    labels = {"off": "no speculation", "fixed": f"fixed k={args.k}", "auto": "verify budget auto"}
+    series = {
+        labels[mode]: [
             next(p.tok_s for p in points if p.mode == mode and p.concurrency == c) for c in levels
         ]
-        ax.plot(
-            levels,
-            ys,
-            style,
-            label={
-                "off": "no speculation",
-                "fixed": f"fixed k={args.k}",
-                "auto": "verify budget auto",
-            }[mode],
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set_xlabel("concurrency (requests in flight)")
-    ax.set_ylabel("output tokens / s")
+        for mode in MODES
+    }
     hw = hardware_info()
     where = ", ".join(hw.get("gpus", [])) or f"{hw.get('cpu', 'CPU')} x{hw.get('cpu_cores', '?')}"
     method = args.method
     if method == "golden":
         method += f" R={args.acceptance_rate:g}"
-    ax.set_title(
+    title = (
         f"{args.model or 'default model'}: {method} speculation, {args.dataset}, "
-        f"{args.max_tokens} tokens, {where}",
-        fontsize=9,
+        f"{args.max_tokens} tokens, {where}"
     )
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_sweep(levels, series, title, path)
 
 
 def add_sweep_parser(sub: Any) -> None:
