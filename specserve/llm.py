@@ -206,6 +206,9 @@ class LLM:
             "verify_budget_draft_seconds": b.draft_time,  # median drafter time per step
             # host time a synchronous step adds to launch-to-readback (median; drafting in it)
             "verify_budget_sync_overhead_seconds": b.sync_overhead,
+            # mean real / predicted period of synchronous and of overlapped plain steps
+            "verify_budget_sync_period_bias": b.sync_bias.factor,
+            "verify_budget_plain_period_bias": b.plain_bias.factor,
             "verify_budget_trim_seconds": b.trim_time,  # median host time of one decision
         }
 

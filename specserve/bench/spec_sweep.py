@@ -285,6 +285,8 @@ def _budget_state(llm) -> dict[str, Any]:
         "step_cost_curve",
         "plain_step_cost_curve",
         "verify_budget_sync_overhead_seconds",
+        "verify_budget_sync_period_bias",
+        "verify_budget_plain_period_bias",
         "verify_budget_trim_seconds",
         "verify_budget_plain_chosen",
         "verify_budget_offered_draft_rows",

@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
+from specserve.spec.period_bias import PeriodBias
 from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve, theil_sen
 from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
 
@@ -88,6 +89,9 @@ class VerifyBudgetPolicy:
         self._trim_times: deque[float] = deque(maxlen=32)  # host seconds of recent trim() calls
         # host seconds a synchronous step adds to its launch-to-readback time (recent median)
         self._sync_overheads: deque[float] = deque(maxlen=16)
+        # real / predicted periods of synchronous and of overlapped plain steps (period_bias.py):
+        # they scale the two prices when speculation as a whole is weighed against plain
+        self.sync_bias, self.plain_bias = PeriodBias(), PeriodBias()
         # the confidences of the last round that drafted (requests with drafts): what the end
         # of a pause is priced with (keeps_pausing)
         self._last_round: list[list[float]] = []
@@ -218,8 +222,19 @@ class VerifyBudgetPolicy:
     def sync_overhead(self) -> float:
         return statistics.median(self._sync_overheads) if self._sync_overheads else 0.0
 
+    def record_sync_period(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
+        """A synchronous step's whole period (launch-to-readback plus the host work after it)."""
+        # the bias only weighs speculation against plain decoding, and only against real
+        # medians: a start-up price is off by its own error, which the curve corrects in 3 steps
+        if self.plain is not None and self.curve.observed(rows):
+            predicted = self.curve.at(rows, kv_tokens, requests) + self.sync_overhead
+            self.sync_bias.record(seconds, predicted)
+
     def record_plain_step(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
         if self.plain is not None:
+            # predicted before the step joins the curve: out of sample, like the sync periods
+            if self.plain.observed(rows):
+                self.plain_bias.record(seconds, self.plain.at(rows, kv_tokens, requests))
             self.plain.record(rows, seconds, kv_tokens, requests)
 
     def prepare(self) -> None:
@@ -277,8 +292,10 @@ class VerifyBudgetPolicy:
         if self.plain is not None and any(choice.num_verify):
             # one token per decode request in an overlapped step of `base` rows (its curve holds
             # whole periods: host work hidden), against the speculative step's period
-            plain_rate = num_ready / self.plain.at(base, kv, num_ready)
-            if plain_rate >= choice.expected_tokens / choice.step_time:
+            # each price at the level of its real steps' mean (period_bias.py)
+            plain_time = self.plain.at(base, kv, num_ready) * self.plain_bias.factor
+            spec_time = choice.step_time * self.sync_bias.factor
+            if num_ready / plain_time >= choice.expected_tokens / spec_time:
                 self.plain_chosen += count  # trims only, not keeps_pausing's questions
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)

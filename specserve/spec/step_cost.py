@@ -353,6 +353,10 @@ class StepCostCurve:
                 out.append(med[j] * bs[i] / bs[j])
         return out
 
+    def observed(self, rows: int) -> bool:
+        """Is f(rows) a median of real steps (not start-up values or an extrapolation)?"""
+        return 0 < rows <= self.buckets[-1] and self._observed[self._bucket_at_or_above(rows)]
+
     def _bucket_at_or_above(self, rows: int) -> int:
         return min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)
 

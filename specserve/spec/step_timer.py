@@ -1,7 +1,9 @@
 """What the verify budget learns from the engine's own steps: each step's time as the chooser
 prices it. A synchronous decode/verify step costs its launch-to-readback (the step-cost curve)
 plus the host work around it up to the next step() (the sync overhead); an overlapped step in
-steady state costs the time between consecutive readbacks (the plain curve).
+steady state costs the time between consecutive readbacks (the plain curve). A synchronous
+step's whole period (the two together) is also handed over, to measure how far real periods
+run above their median-based price (period_bias.py).
 
 Measurements are handed to the budget in flush(), which the engine calls while the device runs
 the next step (before it waits for that step's readback): the curves' bookkeeping then costs
@@ -17,18 +19,25 @@ if TYPE_CHECKING:
     from specserve.engine.llm_engine import LaunchedStep
     from specserve.spec.budget_policy import VerifyBudgetPolicy
 
+# a synchronous step awaiting its overhead: (step() start, launch-to-readback, rows, context
+# tokens, requests)
+_SyncStep = tuple[float, float, int, int, int]
+
 
 class StepTimer:
     def __init__(self, budget: VerifyBudgetPolicy) -> None:
         self.budget = budget
-        # a synchronous decode step's (step() start, launch-to-readback), its overhead taken
-        # at the next step()
-        self._sync_period: tuple[float, float] | None = None
-        self._candidate: tuple[float, float] | None = None  # this step()'s, until it ends
-        self._launch_to_readback: float | None = None  # of the synchronous step just read
+        # a synchronous decode step's (step() start, launch-to-readback, its rows, context
+        # tokens, requests), its overhead taken at the next step()
+        self._sync_period: _SyncStep | None = None
+        self._candidate: _SyncStep | None = None  # this step()'s, until it ends
+        # of the synchronous step just read: (launch-to-readback, rows, kv tokens, requests)
+        self._launch_to_readback: tuple[float, int, int, int] | None = None
         self._last_readback: float | None = None  # when the last overlapped step was read back
         # (plain?, rows, seconds, kv tokens, requests) measured since the last flush()
         self._pending: list[tuple[bool, int, float, int, int]] = []
+        # whole synchronous periods (rows, seconds, kv tokens, requests) since the last flush()
+        self._periods: list[tuple[int, float, int, int]] = []
 
     def begin_step(self, t_start: float) -> None:
         if self._sync_period is not None:
@@ -36,9 +45,11 @@ class StepTimer:
             # what a synchronous step costs over an overlapped one is min(host work, that step).
             # Uncapped, one caller pause between steps (a benchmark running other engines)
             # priced every later speculative step seconds dearer.
-            start, launch_to_readback = self._sync_period
-            host = t_start - start - launch_to_readback
-            self.budget.record_sync_overhead(min(host, launch_to_readback))
+            start, launch_to_readback, rows, kv, requests = self._sync_period
+            host = min(t_start - start - launch_to_readback, launch_to_readback)
+            self.budget.record_sync_overhead(host)
+            if host >= 0:
+                self._periods.append((rows, launch_to_readback + host, kv, requests))
             self._sync_period = None
 
     def read_back(self, step: LaunchedStep) -> None:
@@ -52,7 +63,7 @@ class StepTimer:
         requests = len(step.seqs)
         if not step.overlapped and shaped:
             self._pending.append((False, batch.num_rows, now - step.t0, kv, requests))
-            self._launch_to_readback = now - step.t0
+            self._launch_to_readback = (now - step.t0, batch.num_rows, kv, requests)
         elif step.behind and self._last_readback is not None and shaped:
             # overlapped: a step's launch-to-readback also spans its predecessor; in steady
             # state the step costs the time between consecutive readbacks. Only a step that was
@@ -66,6 +77,9 @@ class StepTimer:
         """Record the steps measured since the last flush and let the budget refresh its curves
         (module docstring: the engine calls this while the device is busy)."""
         budget = self.budget
+        for rows, seconds, kv, requests in self._periods:  # before the records below: the
+            budget.record_sync_period(rows, seconds, kv, requests)  # prediction is out of sample
+        self._periods.clear()
         for plain, rows, seconds, kv, requests in self._pending:
             if plain:
                 budget.record_plain_step(rows, seconds, kv, requests)
@@ -81,7 +95,7 @@ class StepTimer:
             # A synchronous step costs its whole period, up to the next step(): on top of
             # launch-to-readback (the curve) come scheduling, the ledger, drafting and the
             # caller's handling of the outputs, all hidden under overlap.
-            self._candidate = (t_start, self._launch_to_readback)
+            self._candidate = (t_start, *self._launch_to_readback)
         self._launch_to_readback = None
 
     def end_step(self, unfinished: bool, drained: bool) -> None:

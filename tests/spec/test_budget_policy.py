@@ -98,6 +98,40 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
     assert slow_drafter.trim(ready, drafts, confs) == [0] * 32
 
 
+def test_speculation_against_plain_is_weighed_at_the_level_of_real_periods():
+    """The curves are medians; throughput follows mean periods, and synchronous steps expose
+    host hiccups that overlapped plain steps hide. When real synchronous periods run 25 % above
+    their prediction, a speculative step priced 20 % better than plain decoding loses to it;
+    when plain steps' mean runs as far above their median, speculation wins again."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.spec.period_bias import MIN_SAMPLES
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([8, 16, 32, 64, 128])
+    curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    plain = StepCostCurve(curve.buckets)
+    plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    # best: the 32 first drafts, 64 rows: 32 * 1.6 = 51.2 tokens in 2.0 -> 25.6 tok/s, against
+    # 32 / 1.5 = 21.3 plain
+    assert p.trim(ready, drafts, confs) == [1] * 32
+    p.record_sync_period(64, 10.0, 0, 32)  # priced from start-up values: not a bias sample
+    observe(curve, 64, 2.0)  # real steps: the curve's median at 64 rows is 2.0
+    for _ in range(MIN_SAMPLES):
+        p.record_sync_period(64, 1.25 * 2.0, 0, 32)  # 25 % above it
+    assert p.sync_bias.factor == pytest.approx(1.25)
+    assert p.trim(ready, drafts, confs) == [0] * 32  # 25.6 / 1.25 = 20.5 < 21.3
+    # plain steps with a tail: their median (the curve) stays 1.5, their mean runs above it
+    for t in [1.5, 1.5, 1.5, 4.5] * 3:
+        p.record_plain_step(32, t, 0, 32)
+    assert p.plain.at(32, 0, 32) == pytest.approx(1.5)
+    assert p.plain_bias.factor >= 1.25
+    assert p.trim(ready, drafts, confs) == [1] * 32
+
+
 def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     """keeps_pausing prices the requests decoding now with the confidences of the last round
     that drafted: still plain under the same load, speculate again once the load falls; no round

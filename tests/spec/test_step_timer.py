@@ -9,7 +9,7 @@ from specserve.spec.step_timer import StepTimer
 
 class _Budget:
     def __init__(self) -> None:
-        self.sync, self.steps, self.plain = [], [], []
+        self.sync, self.steps, self.plain, self.periods = [], [], [], []
         self.prepared = 0
 
     def prepare(self) -> None:
@@ -23,6 +23,9 @@ class _Budget:
 
     def record_plain_step(self, rows, seconds, kv, requests) -> None:
         self.plain.append((rows, seconds, kv, requests))
+
+    def record_sync_period(self, rows, seconds, kv, requests) -> None:
+        self.periods.append((rows, seconds, kv, requests))
 
 
 def _decode_step(t0: float, overlapped: bool, behind: bool, n: int = 2) -> LaunchedStep:
@@ -48,6 +51,10 @@ def test_sync_overhead_is_the_gap_to_the_next_step_capped_at_the_step(monkeypatc
     timer.end_step(unfinished=True, drained=True)
     timer.begin_step(9.0)  # the caller stalled for seconds: counts one step's time at most
     assert budget.sync[-1] == pytest.approx(0.008)
+    # whole periods (launch-to-readback + capped overhead) reach the budget at the next flush
+    assert budget.periods == [(2, pytest.approx(0.005), 22, 2)]
+    timer.flush()
+    assert budget.periods[-1] == (2, pytest.approx(0.016), 22, 2)
 
 
 @pytest.mark.parametrize("unfinished, measured", [(False, True), (True, False)])
