@@ -8,12 +8,12 @@ the step in flight. Median against median therefore flatters speculation exactly
 are close.
 
 Seen on the H200 (R = 0.5, C = 64, `results/h200/sweep_golden_r05_llama8b_s10b.json`). The
-level's final curves price the best speculative step within ~5 % of plain decoding. Auto
-speculated in 132 of 160 steps per run and ran at 0.88 of plain. Its run time over its steps
-is ~10.1 ms per step, against ~9.3 ms priced for its typical step. That is a rough reading
-(prefill and plain steps are in the first), and the tails are the likely cause, not a proven
-one. The next device session measures the factors (`verify_budget_*_period_bias` in the sweep
-JSON).
+level's final curves price the best speculative step ~5 % below plain decoding. Auto still
+speculated in 132 of 160 steps per run and ran at 0.88 of plain. Its synchronous steps took
+~10.5 ms each on average (the run's 1.62 s less ~0.2 s for its 28 other steps), against ~9.3 ms
+priced for them: ~13 % above, and enough to explain the loss. That reading is rough; tails are
+the likely cause of the gap, not a proven one. The next device session measures the factors
+(`verify_budget_*_period_bias` in the sweep JSON).
 
 Each kind of step keeps the ratio of its real period to the period predicted for it just
 before it was recorded. The mean of the recent ratios, each clamped so that one compile cannot
