@@ -289,6 +289,7 @@ def _budget_state(llm) -> dict[str, Any]:
         "verify_budget_plain_period_bias",
         "verify_budget_trim_seconds",
         "verify_budget_plain_chosen",
+        "verify_budget_plain_explored",
         "verify_budget_offered_draft_rows",
         "verify_budget_chosen_draft_rows",
     )

@@ -36,6 +36,9 @@ EXPLORE_MIN_ROWS = 8
 # first draft at 1/7 where 0.78 was true (CPU, HumanEval, 64 requests); no draft was kept, and
 # one exploring step in 16 took 50 steps - half the run - to correct it, decoding plain meanwhile
 EXPLORE_UNTIL_SAMPLES = 32
+# an unmeasured plain price is doubted (and measured with one pause) while speculation beats it
+# by less than this: start-up plain prices ran ~18 % above real overlapped steps on the H200
+PLAIN_DOUBT = 0.35
 
 
 class VerifyBudgetPolicy:
@@ -83,6 +86,7 @@ class VerifyBudgetPolicy:
     ) -> None:
         self.engine, self.max_rows, self.curve, self.plain = engine, max_rows, curve, plain
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
+        self.plain_explored = 0  # trims that paused to measure plain decoding at a new load
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
         # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
@@ -104,6 +108,8 @@ class VerifyBudgetPolicy:
         self._kept_counts: Counter[int] = Counter()
         self._uncounted: list[list[int]] = []
         self._calls = 0
+        # the speculative over the plain rate the last choice saw (None: not weighed)
+        self._spec_over_plain: float | None = None
         self._last_range: tuple[int, int] | None = None  # the totals the chooser last priced
 
     # -- curve ----------------------------------------------------------------------------------
@@ -286,6 +292,7 @@ class VerifyBudgetPolicy:
         # context and per-request terms are fixed too: the requests do not change with the rows.
         period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
+        self._spec_over_plain = None
         if count:
             drafts = sum(map(len, usable))
             self._last_range = (base, base + max(0, min(drafts, self.max_rows - base)))
@@ -295,7 +302,8 @@ class VerifyBudgetPolicy:
             # each price at the level of its real steps' mean (period_bias.py)
             plain_time = self.plain.at(base, kv, num_ready) * self.plain_bias.factor
             spec_time = choice.step_time * self.sync_bias.factor
-            if num_ready / plain_time >= choice.expected_tokens / spec_time:
+            self._spec_over_plain = (choice.expected_tokens / spec_time) / (num_ready / plain_time)
+            if self._spec_over_plain <= 1.0:
                 self.plain_chosen += count  # trims only, not keeps_pausing's questions
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
@@ -324,12 +332,32 @@ class VerifyBudgetPolicy:
                 expected_tokens=len(ready)
                 + sum(sum(survivals(c[:m])) for c, m in zip(usable, keep))
             )
+        elif (
+            self._calls % EXPLORE_EVERY == EXPLORE_EVERY // 2
+            and any(keep)
+            and self._spec_over_plain is not None
+            and self._spec_over_plain < 1.0 + PLAIN_DOUBT
+            and self._plain_unmeasured(base)
+        ):
+            # Plain decoding at this load has never run: its price is the start-up one
+            # (synthetic steps, each with a sync: 6.0 ms at 64 rows on the H200 where overlapped
+            # steps take 5.1). Weighed against that, speculation can win every step, and then
+            # no plain step ever runs to correct it. One pause (its overlapped steps are
+            # recorded) measures it; the end of the pause asks again with the measured price.
+            # Only where that error could flip the verdict: at R = 0.8, C <= 16 speculation
+            # wins 2x and a pause would cost its steps for nothing.
+            keep = [0] * len(keep)
+            choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
+            self.plain_explored += 1
         self.offered_rows += sum(len(d) for d in drafts)
         self.chosen_rows += sum(keep)
         self._uncounted.append(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
         self._trim_times.append(time.perf_counter() - t0)
         return keep
+
+    def _plain_unmeasured(self, rows: int) -> bool:
+        return self.plain is not None and not self.plain.observed(rows)
 
     def _confidences_young(self) -> bool:
         drafter = getattr(self.engine, "drafter", None)  # None: a test's stand-in engine

@@ -132,6 +132,39 @@ def test_speculation_against_plain_is_weighed_at_the_level_of_real_periods():
     assert p.trim(ready, drafts, confs) == [1] * 32
 
 
+def test_plain_decoding_at_an_unmeasured_load_gets_one_pause_to_measure_it():
+    """Plain decoding's price at a load where it never ran is the start-up one (synthetic
+    steps, a sync each: dearer than overlapped steps). Speculation priced against it can win
+    every step, and then no plain step runs to correct it: halfway between draft explorations
+    the budget pauses once (all drafts dropped) while that load's plain bucket is unmeasured and
+    speculation's lead is small enough for that price's error to matter."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
+    curve = StepCostCurve([8, 16, 32, 64, 128])
+    curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    plain = StepCostCurve(curve.buckets)
+    plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)  # start-up values only
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
+    paused = [i for i, k in enumerate(kept) if not any(k)]
+    assert paused == [EXPLORE_EVERY // 2 - 1] and p.plain_explored == 1
+    assert sum(kept[-1]) > 32  # the draft exploration still comes at its turn
+    observe(plain, 32, 1.5)  # the pause's overlapped steps measured plain decoding at 32 rows
+    kept = [p.trim(ready, drafts, confs) for _ in range(EXPLORE_EVERY)]
+    assert all(any(k) for k in kept) and p.plain_explored == 1
+    # where speculation wins by more than PLAIN_DOUBT, the start-up price cannot flip it: no
+    # pause (32 x 2.98 tokens in 2.5 -> 38 tok/s, 1.8x the 21.3 of plain)
+    sure = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    sure.plain = StepCostCurve(curve.buckets)
+    sure.plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    kept = [sure.trim(ready, drafts, [[0.99, 0.99]] * 32) for _ in range(EXPLORE_EVERY)]
+    assert all(any(k) for k in kept) and sure.plain_explored == 0
+
+
 def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     """keeps_pausing prices the requests decoding now with the confidences of the last round
     that drafted: still plain under the same load, speculate again once the load falls; no round
