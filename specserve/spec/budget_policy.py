@@ -1,10 +1,9 @@
-"""Applies the verify budget to the drafts of the next step: calibrates the step-cost curve at
-start-up (cached per model/device/dtype/threads), records every step's time, and trims each
-request's drafts to the prefix the chooser picks."""
+"""Applies the verify budget to the drafts of the next step: takes the step-cost curve from the
+start-up calibration (calibration.py), records every step's time, and trims each request's
+drafts to the prefix the chooser picks."""
 
 from __future__ import annotations
 
-import hashlib
 import statistics
 import time
 from collections import Counter, deque
@@ -12,19 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
+from specserve.spec.calibration import StartupCalibration
 from specserve.spec.period_bias import PeriodBias
-from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve, theil_sen
+from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
 from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
 
 if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine
 
-CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
-KV_CALIBRATION_CONTEXT = 640  # the longer context of the kv_cost measurement
 # every EXPLORE_EVERY-th step verifies all drafts whatever the chooser says: the curve and the
 # acceptance estimates only learn from steps that run, so a pessimistic start (a curve measured on
 # a busy machine, the prior confidences) would otherwise never be corrected
@@ -46,7 +43,7 @@ class VerifyBudgetPolicy:
         self.engine = engine
         k = engine.slot_pool.k
         max_rows = engine.max_num_batched_tokens
-        curve = self._load_or_calibrate(
+        curve = StartupCalibration(engine).load_or_calibrate(
             capture_sizes(min(max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
         )
         # Plain decoding can run overlapped (host work hidden) when no request verifies drafts,
@@ -111,100 +108,6 @@ class VerifyBudgetPolicy:
         # the speculative over the plain rate the last choice saw (None: not weighed)
         self._spec_over_plain: float | None = None
         self._last_range: tuple[int, int] | None = None  # the totals the chooser last priced
-
-    # -- curve ----------------------------------------------------------------------------------
-    def _cache_path(self, root: Path | None, buckets: list[int]) -> Path | None:
-        if root is None:
-            return None
-        eng = self.engine
-        dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}"
-        return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
-
-    def _load_or_calibrate(self, buckets: list[int], root: Path | None) -> StepCostCurve:
-        path = self._cache_path(root, buckets)
-        # decode/verify steps up to the largest bucket run padded to their bucket on CUDA
-        padded = self.engine.runner.graphs is not None
-        curve = StepCostCurve.load(path, buckets, padded) if path is not None else None
-        if curve is None:
-            kv_cost = self._measure_kv_cost()
-            req_cost = self._measure_req_cost(kv_cost)
-            curve = StepCostCurve(buckets, padded=padded, kv_cost=kv_cost, req_cost=req_cost)
-
-            def f(rows: int) -> float:  # the step without its fixed terms
-                n_req = max(1, min(rows, self.engine.config.max_num_seqs))
-                secs = self._synthetic_step(rows)
-                return curve.rows_part(secs, n_req * CALIBRATION_CONTEXT, n_req)
-
-            curve.calibrate(f, reps=2)
-            if path is not None:
-                curve.save(path)  # the raw samples: smoothing is a choice of this code
-        if not padded:
-            curve.smooth_to_line()
-        return curve
-
-    def _full_step_rows(self) -> int:
-        """Rows of the fixed-cost measurements: as many one-row requests as a step holds."""
-        eng = self.engine
-        return max(1, min(eng.config.max_num_seqs, eng.max_num_batched_tokens))
-
-    def _measure_kv_cost(self, reps: int = 3) -> float:
-        """Seconds per context token a step's requests read: synthetic decode steps of the same
-        rows (one per request, as many requests as a step holds) at three context lengths; the
-        median slope over all pairs of samples at different lengths (Theil-Sen: one slow sample
-        on a busy machine does not set it)."""
-        eng = self.engine
-        long_ctx = min(KV_CALIBRATION_CONTEXT, eng.max_model_len - 2)
-        if long_ctx <= CALIBRATION_CONTEXT:
-            return 0.0
-        rows = self._full_step_rows()
-        ctxs: list[int] = []
-        times: list[float] = []
-        for ctx in (CALIBRATION_CONTEXT, (CALIBRATION_CONTEXT + long_ctx) // 2, long_ctx):
-            self._synthetic_step(rows, ctx)  # warm-up: buffers for this context
-            for _ in range(reps):
-                ctxs.append(ctx)
-                times.append(self._synthetic_step(rows, ctx))
-        slope, _ = theil_sen(ctxs, times)  # seconds per context token of every request
-        return max(0.0, slope / rows)
-
-    def _measure_req_cost(self, kv_cost: float, reps: int = 3) -> float:
-        """Seconds per request in a step beyond its rows and context: synthetic steps of the same
-        rows, decode-shaped (one row per request) and verify-shaped (1 + k rows per request),
-        their context terms taken out."""
-        eng = self.engine
-        per = 1 + eng.slot_pool.k
-        rows = self._full_step_rows()
-        few = -(-rows // per)
-        if few >= rows:
-            return 0.0
-        times = []
-        for n_req in (rows, few):
-            self._synthetic_step(rows, n_req=n_req)  # warm-up
-            t = statistics.median(self._synthetic_step(rows, n_req=n_req) for _ in range(reps))
-            times.append(t - kv_cost * n_req * CALIBRATION_CONTEXT)  # context term out
-        return max(0.0, (times[0] - times[1]) / (rows - few))
-
-    def _synthetic_step(
-        self, rows: int, context: int = CALIBRATION_CONTEXT, n_req: int | None = None
-    ) -> float:
-        """One forward + logits of `rows` decode/verify rows of `n_req` requests (default: one
-        per row, up to max_num_seqs), each request over `context` tokens. The KV blocks are the
-        free ones, distinct per request as far as they go (start-up: no request holds any, and a
-        request writes every position before reading it), so the reads cost what real ones do
-        rather than hitting one cached block."""
-        eng = self.engine
-        n_req = n_req or max(1, min(rows, eng.config.max_num_seqs))
-        per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
-        nb = (context + max(per)) // eng.config.block_size + 1
-        usable = max(1, eng.num_kv_blocks - 1)  # block 0 is the padding block
-        tables = [[1 + (r * nb + j) % usable for j in range(nb)] for r in range(n_req)]
-        inputs = eng.runner.prepare_rows([[1] * q for q in per], [context] * n_req, tables, per)
-        _sync(eng.device)
-        t0 = time.perf_counter()
-        logits = eng.runner.forward(inputs)
-        logits.argmax(-1).tolist()  # the step's one host sync, as in a real step
-        return time.perf_counter() - t0
 
     def record_step(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
         self.curve.record(rows, seconds, kv_tokens, requests)
@@ -415,8 +318,3 @@ class _Offset:
         rows, f = self.curve.stop_lists(lo, hi)
         add = self.add
         return rows, [t + add for t in f]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
