@@ -8,6 +8,7 @@ import sys
 
 from specserve import LLM, SamplingParams
 from specserve.bench.datasets import random_requests
+from specserve.spec.calibration import StartupCalibration
 
 out = {}
 kw = dict(model=os.environ.get("DIAG_MODEL", "dummy:llama-3.1-8b"),
@@ -24,6 +25,7 @@ spec = {"method": "golden", "num_speculative_tokens": 4, "verify_budget": "auto"
 llm = LLM(**kw, speculative_config=spec)
 eng = llm.engine
 pol = eng.budget
+cal = StartupCalibration(eng)  # session 10: the synthetic steps moved to spec/calibration.py
 c = pol.curve
 out["kv_cost"], out["req_cost"] = c.kv_cost, c.req_cost
 out["startup"] = {b: [round(x * 1e3, 3) for x in s] for b, s in zip(c.buckets, c._samples)}
@@ -31,14 +33,16 @@ print("kv", c.kv_cost, "req", c.req_cost)
 print("startup ms", {b: v for b, v in list(out["startup"].items())[:12]})
 retime = {}
 for rows in (1, 2, 4, 8, 16, 24, 32, 64, 128, 256):
-    dec = [pol._synthetic_step(rows) * 1e3 for _ in range(6)]
-    ver = [pol._synthetic_step(rows, n_req=max(1, -(-rows // 5))) * 1e3 for _ in range(6)]
+    dec = [cal._synthetic_step(rows) * 1e3 for _ in range(6)]
+    ver = [cal._synthetic_step(rows, n_req=max(1, -(-rows // 5))) * 1e3 for _ in range(6)]
     retime[rows] = {"decode": [round(x, 3) for x in dec], "verify": [round(x, 3) for x in ver]}
     print(rows, "decode", round(statistics.median(dec), 3), dec[:3], "verify",
           round(statistics.median(ver), 3), ver[:3], flush=True)
 out["retime"] = retime
-from specserve.bench.spec_sweep import _build_requests, _closed_loop  # noqa: E402
 import argparse  # noqa: E402
+
+from specserve.bench.spec_sweep import _build_requests, _closed_loop  # noqa: E402
+
 args = argparse.Namespace(dataset="random", input_len=128, max_tokens=128, seed=0, method="golden")
 for C in (1, 4):
     reqs = _build_requests(args, llm, 8, C)
