@@ -36,6 +36,15 @@ EXPLORE_UNTIL_SAMPLES = 32
 # an unmeasured plain price is doubted (and measured with one pause) while speculation beats it
 # by less than this: start-up plain prices ran ~18 % above real overlapped steps on the H200
 PLAIN_DOUBT = 0.35
+# ... and the mirror case: while plain decoding wins, no synchronous step runs, so speculation's
+# price is never re-measured either (a CPU run stayed paused at ~1,700 tok/s where the same setup
+# had speculated at 2,400-2,600: its synchronous prices came from a slow spell). When plain wins
+# by less than PLAIN_DOUBT and speculation's newest step is PROBE_AFTER steps old, the next
+# PROBE_STEPS trims keep the speculative choice, and their steps replace the old synchronous
+# measurements (StepCostCurve.renew). Cost where plain is right: at most 4 steps in ~128 at
+# up to 26 % slower, under 1 %.
+PROBE_AFTER = 128
+PROBE_STEPS = 4
 
 
 class VerifyBudgetPolicy:
@@ -84,6 +93,11 @@ class VerifyBudgetPolicy:
         self.engine, self.max_rows, self.curve, self.plain = engine, max_rows, curve, plain
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         self.plain_explored = 0  # trims that paused to measure plain decoding at a new load
+        self.spec_probes = 0  # probes that re-measured speculation while plain won (PROBE_AFTER)
+        self._probe_left = 0  # trims left in the current probe
+        self._last_spec_step = 0  # the step id of the newest step that verified drafts
+        # the speculative choice the last _choose overruled for plain decoding, or None
+        self._overruled: BudgetChoice | None = None
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
         # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
@@ -134,8 +148,9 @@ class VerifyBudgetPolicy:
     def record_sync_period(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
         """A synchronous step's whole period (launch-to-readback plus the host work after it)."""
         # the bias only weighs speculation against plain decoding, and only against real
-        # medians: a start-up price is off by its own error, which the curve corrects in 3 steps
-        if self.plain is not None and self.curve.observed(rows):
+        # medians: a start-up price (or one awaiting renewal) is off by its own error, which the
+        # curve corrects in 3 steps
+        if self.plain is not None and self.curve.current(rows):
             predicted = self.curve.at(rows, kv_tokens, requests) + self.sync_overhead
             self.sync_bias.record(seconds, predicted)
 
@@ -195,7 +210,7 @@ class VerifyBudgetPolicy:
         # context and per-request terms are fixed too: the requests do not change with the rows.
         period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
-        self._spec_over_plain = None
+        self._spec_over_plain = self._overruled = None
         if count:
             drafts = sum(map(len, usable))
             self._last_range = (base, base + max(0, min(drafts, self.max_rows - base)))
@@ -207,7 +222,7 @@ class VerifyBudgetPolicy:
             spec_time = choice.step_time * self.sync_bias.factor
             self._spec_over_plain = (choice.expected_tokens / spec_time) / (num_ready / plain_time)
             if self._spec_over_plain <= 1.0:
-                self.plain_chosen += count  # trims only, not keeps_pausing's questions
+                self._overruled = choice
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
                 )
@@ -222,6 +237,14 @@ class VerifyBudgetPolicy:
         usable = [c[: len(d)] for c, d in zip(confs, drafts)]
         self._last_round = [c for c in usable if c]
         choice = self._choose(usable, base, self._kv_tokens(ready))
+        step = self._next_step()
+        if self._overruled is not None:
+            if self._probes(step):
+                choice = self._overruled
+            else:
+                self.plain_chosen += 1
+        elif self._probe_left:
+            self._probe_left -= 1  # speculation won on its own: the probe's step is spent anyway
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0 or self._confidences_young():
@@ -238,6 +261,7 @@ class VerifyBudgetPolicy:
         elif (
             self._calls % EXPLORE_EVERY == EXPLORE_EVERY // 2
             and any(keep)
+            and self._overruled is None
             and self._spec_over_plain is not None
             and self._spec_over_plain < 1.0 + PLAIN_DOUBT
             and self._plain_unmeasured(base)
@@ -252,12 +276,35 @@ class VerifyBudgetPolicy:
             keep = [0] * len(keep)
             choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
             self.plain_explored += 1
+        if any(keep):
+            self._last_spec_step = step
         self.offered_rows += sum(len(d) for d in drafts)
         self.chosen_rows += sum(keep)
         self._uncounted.append(keep)
         self.expected_accepted += choice.expected_tokens - len(ready)
         self._trim_times.append(time.perf_counter() - t0)
         return keep
+
+    def _next_step(self) -> int:
+        """The id of the step being drafted for (0 for a test's stand-in scheduler)."""
+        return getattr(self.engine.scheduler, "step_id", -1) + 1
+
+    def _probes(self, step: int) -> bool:
+        """Plain decoding has just won: does this trim keep the speculative choice anyway, to
+        re-measure it (PROBE_AFTER)? Starting a probe renews the synchronous measurements: the
+        curve's windows and the host overhead are replaced by the probe's steps."""
+        if not self._probe_left:
+            near = self._spec_over_plain is not None and (
+                self._spec_over_plain * (1.0 + PLAIN_DOUBT) >= 1.0
+            )
+            if not near or step - self._last_spec_step < PROBE_AFTER:
+                return False
+            self._probe_left = PROBE_STEPS
+            self.spec_probes += 1
+            self.curve.renew()
+            self._sync_overheads.clear()
+        self._probe_left -= 1
+        return True
 
     def _plain_unmeasured(self, rows: int) -> bool:
         return self.plain is not None and not self.plain.observed(rows)

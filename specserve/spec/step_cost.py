@@ -72,6 +72,8 @@ class StepCostCurve:
         # since a calibration run on a busy machine can be far off and would never be outvoted
         self._observed = [False] * len(self.buckets)
         self._first: list[list[float]] = [[] for _ in self.buckets]  # real steps before MIN_REAL
+        # observed buckets whose window the next MIN_REAL real steps replace (renew())
+        self._renewing = [False] * len(self.buckets)
         # the start-up median of each bucket once observed. Buckets not yet observed are priced
         # at their start-up value scaled by the real/start-up ratio of the nearest observed
         # bucket: the start-up shape, at the level of real steps (which carry sampling, verify
@@ -140,15 +142,18 @@ class StepCostCurve:
             at_b, at_rows = self._shape_at(b), self._shape_at(rows)
             if at_b > 0 and at_rows > 0:
                 seconds *= at_b / at_rows
-        if not self._observed[i]:
-            # a bucket switches to real steps once it has MIN_REAL of them: alone, one slow first
-            # step (a kernel compiled for a new shape: 2.5 s on the H200) would be its median
+        if not self._observed[i] or self._renewing[i]:
+            # a bucket switches to real (or fresh) steps once it has MIN_REAL of them: alone, one
+            # slow first step (a kernel compiled for a new shape: 2.5 s on the H200) would be its
+            # median
             self._first[i].append(seconds)
             if len(self._first[i]) < MIN_REAL:
                 return
-            self._observed[i] = True
-            if self._samples[i]:
-                self._calib[i] = statistics.median(self._samples[i])
+            if not self._observed[i]:
+                self._observed[i] = True
+                if self._samples[i]:
+                    self._calib[i] = statistics.median(self._samples[i])
+            self._renewing[i] = False
             self._samples[i].clear()
             self._samples[i].extend(self._first[i])
             self._first[i].clear()
@@ -159,6 +164,19 @@ class StepCostCurve:
         self._pending += 1
         if self._pending >= self.refresh_every:
             self._envelope = None
+
+    def renew(self) -> None:
+        """The real steps held are old (measured under a load or a machine state that may be
+        gone): each observed bucket's window is replaced by its next MIN_REAL real steps, and
+        keeps its old median until then."""
+        for i, seen in enumerate(self._observed):
+            if seen and not self._renewing[i]:
+                self._renewing[i] = True
+                self._first[i].clear()
+
+    def current(self, rows: int) -> bool:
+        """Is f(rows) a median of real steps, and none of them awaiting renewal?"""
+        return self.observed(rows) and not self._renewing[self._bucket_at_or_above(rows)]
 
     def _shape_at(self, rows: int) -> float:
         return self(rows) if self._envelope is None else self._eval(self._envelope, rows)

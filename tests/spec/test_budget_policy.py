@@ -162,6 +162,47 @@ def test_plain_decoding_at_an_unmeasured_load_gets_one_pause_to_measure_it():
     assert all(any(k) for k in kept) and sure.plain_explored == 0
 
 
+def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
+    """The mirror of the plain pause: while plain decoding wins, no synchronous step runs, so a
+    speculative price set in a slow spell would never be corrected. Once speculation's newest
+    step is PROBE_AFTER steps old and plain wins by less than PLAIN_DOUBT, PROBE_STEPS trims keep
+    the speculative choice; their steps replace the old synchronous measurements, and with the
+    corrected price speculation wins again. Where plain wins by more, no probe."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import PROBE_AFTER, PROBE_STEPS, VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
+    curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
+    curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    plain = StepCostCurve(curve.buckets, padded=True)
+    plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    observe(plain, 32, 1.5)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    for _ in range(32):
+        curve.record(64, 2.7)  # a slow spell: 32 x 1.6 tokens in 2.7 -> 19.0 tok/s < 21.3 plain
+
+    def trim(step: int) -> list[int]:
+        sched.step_id = step - 1  # the trim drafts for the step after the scheduler's last
+        return p.trim(ready, drafts, confs)
+
+    assert trim(10) == [0] * 32 and p.plain_chosen == 1
+    assert trim(PROBE_AFTER - 1) == [0] * 32  # speculation's newest step is not old enough
+    probe = [trim(PROBE_AFTER + i) for i in range(PROBE_STEPS)]
+    assert probe == [[1] * 32] * PROBE_STEPS and p.spec_probes == 1
+    for _ in range(PROBE_STEPS):
+        p.record_step(64, 2.0, 0, 32)  # the probe's steps: the spell is over
+    assert p.curve(64) == pytest.approx(2.0)  # the fresh steps replaced the 32 old ones
+    assert trim(PROBE_AFTER + PROBE_STEPS) == [1] * 32  # 25.6 tok/s: speculation wins again
+    # plain ahead by more than PLAIN_DOUBT: a probe could not flip it; none runs
+    for _ in range(32):
+        curve.record(64, 5.0)  # 10.2 tok/s
+    step = PROBE_AFTER + PROBE_STEPS
+    kept = [trim(step + i) for i in range(2 * PROBE_AFTER)]
+    assert [1] * 32 not in kept and p.spec_probes == 1  # (draft exploration still runs)
+
+
 def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     """keeps_pausing prices the requests decoding now with the confidences of the last round
     that drafted: still plain under the same load, speculate again once the load falls; no round

@@ -157,6 +157,29 @@ def test_one_slow_first_step_does_not_set_a_bucket():
     assert curve(32) == pytest.approx(0.006)
 
 
+def test_renewed_buckets_swap_their_old_window_for_the_next_real_steps():
+    """renew(): a bucket's 32 old real steps (a slow spell) would outvote new ones for 16
+    steps; after renew() the next MIN_REAL steps replace them, and the old median holds until
+    then. Unobserved buckets are not touched (their start-up values wait for real steps)."""
+    curve = StepCostCurve([8, 16, 32], padded=True)
+    curve.calibrate(lambda rows: 0.005, reps=2)
+    for _ in range(32):
+        curve.record(16, 0.010)  # the slow spell
+    assert curve(16) == pytest.approx(0.010) and curve.current(16)
+    curve.record(16, 0.004)
+    assert curve(16) == pytest.approx(0.010)  # one fresh step among 32 old: outvoted
+    curve.renew()
+    assert curve.observed(16) and not curve.current(16) and not curve.observed(32)
+    for _ in range(MIN_REAL - 1):
+        curve.record(16, 0.004)
+    assert curve(16) == pytest.approx(0.010)  # the old median until MIN_REAL fresh steps
+    curve.record(16, 0.004)
+    assert curve(16) == pytest.approx(0.004) and curve.current(16)
+    for _ in range(MIN_REAL - 1):
+        curve.record(32, 0.007)
+    assert not curve.observed(32)  # never observed: renew() left it waiting for MIN_REAL
+
+
 def test_cpu_start_up_values_are_the_robust_line_and_neighbours_shift_at_most_2x():
     """CPU start-up samples are smoothed to the Theil-Sen line through their medians (one wild
     bucket does not set its neighbours' price), and an unobserved bucket moves with its real
