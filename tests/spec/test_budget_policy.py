@@ -283,9 +283,9 @@ def test_long_contexts_make_verify_rows_relatively_cheap():
     curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
     p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
     drafts, confs = [[1]] * 16, [[0.5]] * 16
-    short = [SimpleNamespace(num_tokens=100)] * 16  # 1,600 tokens: +0.16 s
+    short = [SimpleNamespace(token_ids=[0] * 100)] * 16  # 1,600 tokens: +0.16 s
     assert p.trim(short, drafts, confs) == [0] * 16  # 16 / 1.16 beats 24 / 2.16
-    long = [SimpleNamespace(num_tokens=2000)] * 16  # 32,000 tokens: +3.2 s
+    long = [SimpleNamespace(token_ids=[0] * 2000)] * 16  # 32,000 tokens: +3.2 s
     assert p.trim(long, drafts, confs) == [1] * 16  # 24 / 5.2 beats 16 / 4.2
 
 
@@ -298,7 +298,7 @@ def test_per_request_cost_is_fixed_within_a_decision():
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     drafts, confs = [[1]] * 16, [[0.5]] * 16
-    ready = [SimpleNamespace(num_tokens=100)] * 16
+    ready = [SimpleNamespace(token_ids=[0] * 100)] * 16
     for req_cost, kept in ((0.0, [0] * 16), (0.25, [1] * 16)):
         curve = StepCostCurve([16, 32, 64], req_cost=req_cost)
         curve.calibrate(lambda rows: rows / 16, reps=1)  # f: 1.0 at 16 rows, 2.0 at 32
@@ -318,10 +318,10 @@ def test_drafts_are_priced_as_in_a_decode_step_whatever_prompt_work_shares_it():
 
     curve = StepCostCurve([16, 32, 64, 256, 512])
     curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # 16 rows: 2.0, 32 rows: 3.0
-    decoding = SimpleNamespace(num_uncomputed_tokens=1, num_tokens=100)
+    decoding = SimpleNamespace(num_uncomputed_tokens=1, token_ids=[0] * 100)
     ready, drafts = [decoding] * 16, [[1]] * 16
     for prompt_rows in (0, 200, 5000):  # none, a chunk beside, more than the budget holds
-        prompt = SimpleNamespace(num_uncomputed_tokens=prompt_rows, num_tokens=prompt_rows)
+        prompt = SimpleNamespace(num_uncomputed_tokens=prompt_rows, token_ids=[0] * prompt_rows)
         sched = SimpleNamespace(running=ready + [prompt], waiting=[], max_num_seqs=64)
         p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
         # 16 + 16 * 0.9 = 30.4 tokens in 3.0 beats 16 in 2.0; 16 + 16 * 0.3 = 20.8 does not
@@ -343,7 +343,7 @@ def test_prepare_does_the_next_trims_curve_work_ahead():
         sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=8)
         return VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 64, curve)
 
-    ready = [SimpleNamespace(num_tokens=50)] * 2
+    ready = [SimpleNamespace(token_ids=[0] * 50)] * 2
     drafts, confs = [[1, 2, 3]] * 2, [[0.9, 0.8, 0.5]] * 2
     ahead, plain = policy(), policy()
     for step in range(12):
