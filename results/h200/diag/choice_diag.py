@@ -53,13 +53,25 @@ def period(rows, seconds, kv, requests):
     real_period(rows, seconds, kv, requests)
 
 
-pol._choose, pol.record_sync_period = choose, period
+trims = []
+real_trim = pol.trim
+
+
+def trim(ready, drafts, confs):
+    keep = real_trim(ready, drafts, confs)
+    trims.append({"n": len(ready), "offered": sum(map(len, drafts)), "kept": sum(keep),
+                  "step": eng.scheduler.step_id + 1})  # fmt: skip
+    return keep
+
+
+pol._choose, pol.record_sync_period, pol.trim = choose, period, trim
 report = {}
 for c in levels:
     requests = sw._requests_for(args, llm, c, {})
     sw._warm_up(llm, requests, c)
     decisions.clear()
     periods.clear()
+    trims.clear()
     runs = [sw._closed_loop(llm, requests, c) for _ in range(repeats)]
     spec = [d for d in decisions if d["kept"]]
     full = [d for d in decisions if d["n"] == c]
@@ -79,6 +91,10 @@ for c in levels:
         "median_actual_over_predicted_period": statistics.median(
             p["actual"] / p["predicted"] for p in periods
         ) if periods else None,  # fmt: skip
+        "trims": len(trims),
+        "trims_keeping_nothing": sum(not t["kept"] for t in trims),
+        "trims_keeping_nothing_with_drafts": sum(not t["kept"] and t["offered"] > 0 for t in trims),
+        "trim_log": trims,
         "first_decisions": decisions[:40],
         "last_decisions": decisions[-40:],
         "periods_sample": periods[:: max(1, len(periods) // 80)],
@@ -86,7 +102,8 @@ for c in levels:
     }
     r = report[c]
     print(f"C={c}: tok/s {[round(x) for x in r['tok_s']]}, decisions {r['decisions']}, "
-          f"speculated {r['speculated']}, plain observed at full load "
+          f"speculated {r['speculated']}, trims {r['trims']} (kept nothing with drafts "
+          f"{r['trims_keeping_nothing_with_drafts']}), plain observed at full load "
           f"{r['plain_observed_at_full_load']}/{r['at_full_load']}, spec/plain rate (median) "
           f"{r['median_spec_over_plain_rate']}, period actual/predicted mean "
           f"{r['mean_actual_over_predicted_period']} median {r['median_actual_over_predicted_period']}",
