@@ -205,6 +205,7 @@ class LLM:
             "verify_budget_plain_chosen": b.plain_chosen,
             "verify_budget_plain_explored": b.plain_explored,
             "verify_budget_spec_probes": b.spec_probes,
+            "verify_budget_plain_ahead": b.plain_ahead,
             "verify_budget_draft_seconds": b.draft_time,  # median drafter time per step
             # host time a synchronous step adds to launch-to-readback (median; drafting in it)
             "verify_budget_sync_overhead_seconds": b.sync_overhead,

@@ -291,6 +291,7 @@ def _budget_state(llm) -> dict[str, Any]:
         "verify_budget_plain_chosen",
         "verify_budget_plain_explored",
         "verify_budget_spec_probes",
+        "verify_budget_plain_ahead",
         "verify_budget_offered_draft_rows",
         "verify_budget_chosen_draft_rows",
     )

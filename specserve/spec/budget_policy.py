@@ -42,9 +42,10 @@ PLAIN_DOUBT = 0.35
 # had speculated at 2,400-2,600: its synchronous prices came from a slow spell). When plain wins
 # by less than PLAIN_DOUBT and speculation's newest step is PROBE_AFTER steps old, the next
 # PROBE_STEPS trims keep the speculative choice, and their steps replace the old synchronous
-# measurements (StepCostCurve.renew). Cost where plain is right: at most 4 steps in ~128 at
-# up to 26 % slower, under 1 %.
-PROBE_AFTER = 128
+# measurements (StepCostCurve.renew). Every 128 steps cost ~2 % on the H200 at R = 0.5, C = 64
+# (a probe's 4 synchronous steps there run ~14 % below plain, and entering and leaving it exposes
+# two steps' host work, ~2.3 ms each): every 512, ~0.5 %.
+PROBE_AFTER = 512
 PROBE_STEPS = 4
 
 _TOKEN_IDS = attrgetter("token_ids")
@@ -97,6 +98,7 @@ class VerifyBudgetPolicy:
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         self.plain_explored = 0  # trims that paused to measure plain decoding at a new load
         self.spec_probes = 0  # probes that re-measured speculation while plain won (PROBE_AFTER)
+        self.plain_ahead = 0  # trims that kept nothing for the load being admitted (_plain_ahead)
         self._probe_left = 0  # trims left in the current probe
         self._last_spec_step = 0  # the step id of the newest step that verified drafts
         # the speculative choice the last _choose overruled for plain decoding, or None
@@ -217,8 +219,8 @@ class VerifyBudgetPolicy:
         # context and per-request terms are fixed too: the requests do not change with the rows.
         period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
-        self._spec_over_plain = self._overruled = None
         if count:
+            self._spec_over_plain = self._overruled = None
             drafts = sum(map(len, usable))
             self._last_range = (base, base + max(0, min(drafts, self.max_rows - base)))
         if self.plain is not None and any(choice.num_verify):
@@ -227,9 +229,12 @@ class VerifyBudgetPolicy:
             # each price at the level of its real steps' mean (period_bias.py)
             plain_time = self.plain.at(base, kv, num_ready) * self.plain_bias.factor
             spec_time = choice.step_time * self.sync_bias.factor
-            self._spec_over_plain = (choice.expected_tokens / spec_time) / (num_ready / plain_time)
-            if self._spec_over_plain <= 1.0:
-                self._overruled = choice
+            spec_over_plain = (choice.expected_tokens / spec_time) / (num_ready / plain_time)
+            if count:
+                self._spec_over_plain = spec_over_plain
+            if spec_over_plain <= 1.0:
+                if count:
+                    self._overruled = choice
                 return choice._replace(
                     num_verify=[0] * len(usable), expected_tokens=float(num_ready)
                 )
@@ -245,9 +250,13 @@ class VerifyBudgetPolicy:
         # drafters hand out as many confidences as drafts; slice only where one does not
         usable = confs if list(map(len, confs)) == lens else [c[:n] for c, n in zip(confs, lens)]
         self._last_round = usable  # requests without drafts are left out when it is read
-        choice = self._choose(usable, base, self._kv_tokens(ready))
+        kv = self._kv_tokens(ready)
+        choice = self._choose(usable, base, kv)
         step = self._next_step()
-        if self._overruled is not None:
+        if self._overruled is None and any(choice.num_verify) and self._plain_ahead(usable, kv):
+            choice = choice._replace(num_verify=[0] * base, expected_tokens=float(base))
+            self.plain_ahead += 1
+        elif self._overruled is not None:
             if self._probes(step):
                 choice = self._overruled
             else:
@@ -315,6 +324,39 @@ class VerifyBudgetPolicy:
         self._probe_left -= 1
         return True
 
+    def _imminent_load(self, num_ready: int) -> int:
+        """The requests that will be decoding within a few steps: while prompts are being
+        admitted (some running request is still prefilling), the running ones and those waiting,
+        up to max_num_seqs; otherwise the ones decoding now. (Waiting requests that nothing is
+        admitting - memory full - do not count: the load stays where it is.)"""
+        sched = self.engine.scheduler
+        if len(sched.running) <= num_ready:
+            return num_ready
+        return max(num_ready, min(sched.max_num_seqs, len(sched.running) + len(sched.waiting)))
+
+    def _plain_ahead(self, usable: list[list[float]], kv: int) -> bool:
+        """Speculation wins at the requests decoding now, but prompts being admitted will raise
+        the load within a few steps to where plain decoding wins: keep no drafts. On the H200
+        (R = 0.8, 256 requests arriving at once, 64 prompts per step) the first 64 requests
+        verified drafts through the ~4 prompt-filled steps: each such step ran synchronously,
+        exposing the host work of a step full of prompt chunks (~7 ms), and its drafts delayed
+        the admission of the rest by pushing prompt rows to later steps. Auto ran 1.5-2.7 %
+        below plain decoding at that level."""
+        num_ready = len(usable)
+        if self.plain is None or num_ready == 0:
+            return False
+        load = self._imminent_load(num_ready)
+        return load > num_ready and self._plain_wins_at(load, usable, kv * load // num_ready)
+
+    def _plain_wins_at(self, load: int, rounds: list[list[float]], kv: int) -> bool:
+        """Would the chooser keep no drafts for `load` decoding requests whose confidences are
+        those of `rounds` (requests with drafts), taken in turn?"""
+        last = [c for c in rounds if c]
+        if not last:
+            return False
+        usable = [last[i % len(last)] for i in range(load)]
+        return not any(self._choose(usable, load, kv, count=False).num_verify)
+
     def _plain_unmeasured(self, rows: int) -> bool:
         return self.plain is not None and not self.plain.observed(rows)
 
@@ -341,19 +383,17 @@ class VerifyBudgetPolicy:
 
     def keeps_pausing(self) -> bool:
         """At the end of a pause (overlapped plain steps): would the chooser still keep no drafts
-        for the requests decoding now? Confidences come from the last round that drafted, the
-        one that started the pause (up to a few pauses old): its confidences, cycled over the
-        current decode requests, priced with the current curves and load. Asking this needs no
-        drafts, so no synchronous step; False means "draft and ask for real" (also when that
-        round had no drafts at all: only drafting can tell whether there are any now)."""
-        last = [c for c in self._last_round if c]
+        for the requests decoding now (or soon: _imminent_load)? Confidences come from the last
+        round that drafted, the one that started the pause (up to a few pauses old): its
+        confidences, taken in turn over those requests, priced with the current curves. Asking
+        this needs no drafts, so no synchronous step; False means "draft and ask for real" (also
+        when that round had no drafts at all: only drafting can tell whether there are any now)."""
         ready = [s for s in self.engine.scheduler.running if s.num_uncomputed_tokens == 1]
-        num_ready = len(ready)
-        if not last or num_ready == 0:
+        if not ready:
             return False
-        usable = [last[i % len(last)] for i in range(num_ready)]
-        choice = self._choose(usable, num_ready, self._kv_tokens(ready), count=False)
-        return not any(choice.num_verify)
+        load = self._imminent_load(len(ready))
+        kv = self._kv_tokens(ready) * load // len(ready)
+        return self._plain_wins_at(load, self._last_round, kv)
 
 
 class _Offset:

@@ -203,6 +203,39 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
     assert [1] * 32 not in kept and p.spec_probes == 1  # (draft exploration still runs)
 
 
+def test_no_drafts_while_prompts_being_admitted_raise_the_load_to_where_plain_wins():
+    """64 requests decode while 64 more prefill and 128 wait: within a few steps 256 decode,
+    where plain decoding wins, so the first 64 keep no drafts now (each would make a prompt-filled
+    step synchronous and push prompt rows back). Waiting requests that nothing admits (no
+    request prefilling: memory full) leave the load where it is, and speculation goes on."""
+    from types import SimpleNamespace
+
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
+    curve = StepCostCurve([16, 32, 64, 128, 256, 512, 1024], padded=True)
+    curve.calibrate(lambda rows: 1.0 + (rows / 128) ** 2, reps=1)  # rows grow dear past 128
+    plain = StepCostCurve(curve.buckets, padded=True)
+    plain.calibrate(lambda rows: 1.0 + (rows / 128) ** 2, reps=1)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 2048, curve, plain)
+    decoding = SimpleNamespace(num_uncomputed_tokens=1, token_ids=[0] * 10)
+    prefilling = SimpleNamespace(num_uncomputed_tokens=128, token_ids=[0] * 128)
+
+    def kept(n: int) -> int:
+        return sum(p.trim([decoding] * n, [[1, 2]] * n, [[0.8, 0.6]] * n))
+
+    sched.running = [decoding] * 64
+    assert kept(64) == 64  # 64 decoding: the first drafts pay
+    sched.running = [decoding] * 256
+    assert kept(256) == 0 and p.plain_ahead == 0  # 256 decoding: plain wins on its own
+    sched.running, sched.waiting = [decoding] * 64 + [prefilling] * 64, [prefilling] * 128
+    assert kept(64) == 0 and p.plain_ahead == 1
+    assert p.keeps_pausing()  # the pause it starts lasts while the load is coming
+    sched.running = [decoding] * 64  # nothing prefilling: the 128 waiting are not being admitted
+    assert kept(64) == 64 and p.plain_ahead == 1
+    assert not p.keeps_pausing()
+
+
 def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     """keeps_pausing prices the requests decoding now with the confidences of the last round
     that drafted: still plain under the same load, speculate again once the load falls; no round
