@@ -325,14 +325,21 @@ class VerifyBudgetPolicy:
         return True
 
     def _imminent_load(self, num_ready: int) -> int:
-        """The requests that will be decoding within a few steps: while prompts are being
-        admitted (some running request is still prefilling), the running ones and those waiting,
-        up to max_num_seqs; otherwise the ones decoding now. (Waiting requests that nothing is
-        admitting - memory full - do not count: the load stays where it is.)"""
+        """The requests that will be decoding within a few steps: the running ones (decoding or
+        prefilling) and the waiting ones the scheduler can admit (room under max_num_seqs, KV
+        blocks free for their prompts), up to max_num_seqs. Asked while drafting, before the
+        next schedule(): prompts that fit one step complete in it, so right after a step the
+        load being admitted is all in `waiting` (the H200 sweep at C = 256: 64 decoding, 192
+        waiting, none prefilling). Waiting requests that memory keeps out do not count."""
         sched = self.engine.scheduler
-        if len(sched.running) <= num_ready:
-            return num_ready
-        return max(num_ready, min(sched.max_num_seqs, len(sched.running) + len(sched.waiting)))
+        load = max(num_ready, len(sched.running))
+        waiting = sched.waiting
+        if not waiting or load >= sched.max_num_seqs:
+            return load
+        bm = sched.bm
+        per_prompt = max(1, bm.blocks_needed(waiting[0].num_tokens + 1))
+        admissible = min(len(waiting), bm.num_free_blocks // per_prompt)
+        return min(sched.max_num_seqs, load + admissible)
 
     def _plain_ahead(self, usable: list[list[float]], kv: int) -> bool:
         """Speculation wins at the requests decoding now, but prompts being admitted will raise

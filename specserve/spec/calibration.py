@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.spec.step_cost import StepCostCurve, theil_sen
+from specserve.spec.curve_math import theil_sen
+from specserve.spec.step_cost import StepCostCurve
 
 if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine

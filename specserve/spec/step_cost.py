@@ -19,11 +19,13 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from specserve.spec.curve_math import nearest_flagged, theil_sen
 
 # f keeps at least this share of a step's time when the fixed terms are taken out: fixed costs
 # measured too high (the CPU's context cost varies 2-3x between start-ups) must not drive f to
@@ -331,35 +333,15 @@ class StepCostCurve:
         return self._envelope
 
     def _nearest_cached(self, flags: list[bool]) -> list[int | None]:
-        """_nearest, re-taken only when the flags change (a bucket's first real step)."""
+        """nearest_flagged, re-taken only when the flags change (a bucket's first real step)."""
         key = tuple(flags)
         if self._near_key != key:
-            self._near_key, self._near = key, self._nearest(flags)
+            self._near_key, self._near = key, nearest_flagged(self.buckets, flags)
         return self._near
-
-    def _nearest(self, flags: list[bool]) -> list[int | None]:
-        """For each bucket, the nearest flagged bucket by rows (ties: the smaller), or None:
-        one pass each way."""
-        bs, n = self.buckets, len(self.buckets)
-        left: list[int | None] = [None] * n
-        right: list[int | None] = [None] * n
-        last = None
-        for i in range(n):
-            last = i if flags[i] else last
-            left[i] = last
-        last = None
-        for i in range(n - 1, -1, -1):
-            last = i if flags[i] else last
-            right[i] = last
-        out: list[int | None] = []
-        for i in range(n):
-            cands = [j for j in (left[i], right[i]) if j is not None]
-            out.append(min(cands, key=lambda j: abs(bs[j] - bs[i])) if cands else None)
-        return out
 
     def _fill_unknown(self, med: list[float | None]) -> list[float]:
         bs = self.buckets
-        near = self._nearest([m is not None for m in med])
+        near = nearest_flagged(bs, [m is not None for m in med])
         out = []
         for i, m in enumerate(med):
             j = near[i]
@@ -410,17 +392,3 @@ class StepCostCurve:
         for dq, s in zip(curve._samples, samples):
             dq.extend(s)
         return curve
-
-
-def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(slope, intercept) of the line with the median of the pairwise slopes (pairs of equal x
-    left out) and the median intercept: one wild point moves it little."""
-    n = len(xs)
-    slopes = [
-        (ys[j] - ys[i]) / (xs[j] - xs[i])
-        for i in range(n)
-        for j in range(i + 1, n)
-        if xs[j] != xs[i]
-    ]
-    slope = statistics.median(slopes)
-    return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))

@@ -204,15 +204,16 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
 
 
 def test_no_drafts_while_prompts_being_admitted_raise_the_load_to_where_plain_wins():
-    """64 requests decode while 64 more prefill and 128 wait: within a few steps 256 decode,
-    where plain decoding wins, so the first 64 keep no drafts now (each would make a prompt-filled
-    step synchronous and push prompt rows back). Waiting requests that nothing admits (no
-    request prefilling: memory full) leave the load where it is, and speculation goes on."""
+    """64 requests decode while 192 wait with room to be admitted: within a few steps 256
+    decode, where plain decoding wins, so the first 64 keep no drafts now (each would make a
+    prompt-filled step synchronous and push prompt rows back). Waiting requests that memory keeps
+    out leave the load where it is, and speculation goes on."""
     from types import SimpleNamespace
 
     from specserve.spec.budget_policy import VerifyBudgetPolicy
 
-    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
+    bm = SimpleNamespace(num_free_blocks=10_000, blocks_needed=lambda tokens: -(-tokens // 16))
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256, bm=bm)
     curve = StepCostCurve([16, 32, 64, 128, 256, 512, 1024], padded=True)
     curve.calibrate(lambda rows: 1.0 + (rows / 128) ** 2, reps=1)  # rows grow dear past 128
     plain = StepCostCurve(curve.buckets, padded=True)
@@ -228,11 +229,17 @@ def test_no_drafts_while_prompts_being_admitted_raise_the_load_to_where_plain_wi
     assert kept(64) == 64  # 64 decoding: the first drafts pay
     sched.running = [decoding] * 256
     assert kept(256) == 0 and p.plain_ahead == 0  # 256 decoding: plain wins on its own
-    sched.running, sched.waiting = [decoding] * 64 + [prefilling] * 64, [prefilling] * 128
+    waiting = SimpleNamespace(num_tokens=128)  # 9 blocks each
+    sched.running, sched.waiting = [decoding] * 64, [waiting] * 192
     assert kept(64) == 0 and p.plain_ahead == 1
     assert p.keeps_pausing()  # the pause it starts lasts while the load is coming
-    sched.running = [decoding] * 64  # nothing prefilling: the 128 waiting are not being admitted
-    assert kept(64) == 64 and p.plain_ahead == 1
+    sched.running = [decoding] * 64 + [prefilling] * 64  # admitted, still prefilling: the same
+    sched.waiting = [waiting] * 128
+    assert kept(64) == 0 and p.plain_ahead == 2
+    bm.num_free_blocks = 8  # memory admits none: the 64 prefilling still join (128: plain)
+    assert kept(64) == 0 and p.plain_ahead == 3
+    sched.running = [decoding] * 64  # ... and with none prefilling the load stays at 64
+    assert kept(64) == 64 and p.plain_ahead == 3
     assert not p.keeps_pausing()
 
 
