@@ -81,7 +81,10 @@ class Speculator:
         self, batch: StepBatch, seqs: list[Sequence], host: HostStepResult
     ) -> HostStepResult:
         """A verified step's outcome: the drafter learns from it; the ledger gets each
-        request's draft confidences (acceptance metrics)."""
+        request's draft confidences (acceptance metrics). A step without drafts (speculation
+        paused: every step at high load) has nothing to learn or report."""
+        if not any(batch.num_drafts):
+            return host
         drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
         confs = [self.pool.confidence[s.slot][: len(d)] for s, d in zip(seqs, drafts)]
         for s, d, acc in zip(seqs, drafts, host.num_accepted):
