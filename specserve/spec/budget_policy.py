@@ -11,14 +11,17 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
 from specserve.spec.calibration import StartupCalibration
 from specserve.spec.period_bias import PeriodBias
 from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
-from specserve.spec.verify_budget import BudgetChoice, choose_verify_budget, survivals
+from specserve.spec.verify_budget import (
+    BudgetChoice,
+    OffsetCurve,
+    choose_verify_budget,
+    survivals,
+)
 
 if TYPE_CHECKING:
     from specserve.engine.llm_engine import LLMEngine
@@ -217,7 +220,7 @@ class VerifyBudgetPolicy:
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
         # periods, or extra rows would look dearer than they are next to that fixed cost. The
         # context and per-request terms are fixed too: the requests do not change with the rows.
-        period = _Offset(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
+        period = OffsetCurve(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
         if count:
             self._spec_over_plain = self._overruled = None
@@ -401,23 +404,3 @@ class VerifyBudgetPolicy:
         load = self._imminent_load(len(ready))
         kv = self._kv_tokens(ready) * load // len(ready)
         return self._plain_wins_at(load, self._last_round, kv)
-
-
-class _Offset:
-    """A step-cost curve plus a constant, as the chooser asks for it: the curve's cached
-    candidate totals (a constant moves no total's rank) with the constant added."""
-
-    def __init__(self, curve: StepCostCurve, add: float) -> None:
-        self.curve, self.add = curve, add
-
-    def __call__(self, rows: int) -> float:
-        return self.curve(rows) + self.add
-
-    def stop_values(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        rows, f = self.curve.stop_values(lo, hi)
-        return rows, f + self.add
-
-    def stop_lists(self, lo: int, hi: int) -> tuple[list[int], list[float]]:
-        rows, f = self.curve.stop_lists(lo, hi)
-        add = self.add
-        return rows, [t + add for t in f]

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from specserve.spec.step_cost import StepCostCurve
 
 
 class BudgetChoice(NamedTuple):
@@ -156,3 +159,23 @@ def choose_verify_budget(
     best_m = int(ms[best])
     num_verify = np.bincount(req[:best_m], minlength=n_req).tolist()
     return BudgetChoice(num_verify, float(tokens[best]), base_rows + best_m, float(times[best]))
+
+
+class OffsetCurve:
+    """A step-cost curve plus a constant, as the chooser asks for it: the curve's cached
+    candidate totals (a constant moves no total's rank) with the constant added."""
+
+    def __init__(self, curve: StepCostCurve, add: float) -> None:
+        self.curve, self.add = curve, add
+
+    def __call__(self, rows: int) -> float:
+        return self.curve(rows) + self.add
+
+    def stop_values(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        rows, f = self.curve.stop_values(lo, hi)
+        return rows, f + self.add
+
+    def stop_lists(self, lo: int, hi: int) -> tuple[list[int], list[float]]:
+        rows, f = self.curve.stop_lists(lo, hi)
+        add = self.add
+        return rows, [t + add for t in f]

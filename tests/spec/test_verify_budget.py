@@ -88,7 +88,7 @@ def test_vectorised_chooser_equals_the_loop(seed, padded):
     cached per curve envelope), and again after the curve changed."""
 
     from specserve.spec import verify_budget as vb
-    from specserve.spec.budget_policy import _Offset
+    from specserve.spec.verify_budget import OffsetCurve
 
     rng = random.Random(seed)
     n = rng.randint(20, 300)
@@ -107,7 +107,7 @@ def test_vectorised_chooser_equals_the_loop(seed, padded):
             for rows in curve.buckets * 3:  # a bucket takes real steps from its third on
                 curve.record(rows, 0.01 + rows * 3e-3)  # rows 100x dearer: fewer drafts
         # vectorised curve, with an offset, and a plain callable
-        for step_time in (curve, _Offset(curve, 0.003), lambda r: curve(r)):
+        for step_time in (curve, OffsetCurve(curve, 0.003), lambda r: curve(r)):
             want = vb._choose_loop(confs, base, step_time, max_rows)
             for _ in range(2):
                 assert vb.choose_verify_budget(confs, base, step_time, max_rows) == want
