@@ -4,6 +4,7 @@ drafts to the prefix the chooser picks."""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections import Counter, deque
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
 from specserve.spec.calibration import StartupCalibration
+from specserve.spec.host_overhead import HostOverhead
 from specserve.spec.period_bias import PeriodBias
 from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
 from specserve.spec.verify_budget import (
@@ -59,19 +61,20 @@ class VerifyBudgetPolicy:
         self.engine = engine
         k = engine.slot_pool.k
         max_rows = engine.max_num_batched_tokens
-        curve = StartupCalibration(engine).load_or_calibrate(
-            capture_sizes(min(max_rows, engine.config.max_num_seqs * (1 + k))), cache_root
-        )
+        calibration = StartupCalibration(engine)
+        buckets = capture_sizes(min(max_rows, engine.config.max_num_seqs * (1 + k)))
+        curve = calibration.load_or_calibrate(buckets, cache_root)
         # Plain decoding can run overlapped (host work hidden) when no request verifies drafts,
-        # so "no speculation at all" is priced with its own curve: start-up values of the
-        # synthetic steps (device time plus one sync), then real overlapped steps (the time
-        # between consecutive readbacks, which is what such a step costs in steady state).
+        # so "no speculation at all" is priced with its own curve: start-up values of
+        # decode-shaped synthetic steps (device time plus one sync), then real overlapped steps
+        # (the time between consecutive readbacks, which is what such a step costs in steady
+        # state). A plain step has one row per request: buckets up to max_num_seqs rows.
         plain = None
         if engine.overlap_when_paused:
-            plain = StepCostCurve(
-                curve.buckets, padded=curve.padded, kv_cost=curve.kv_cost, req_cost=curve.req_cost
+            top = bisect.bisect_left(buckets, engine.config.max_num_seqs)
+            plain = calibration.load_or_calibrate(
+                buckets[: top + 1], cache_root, True, (curve.kv_cost, curve.req_cost)
             )
-            plain.calibrate(curve, reps=1)
         for c in (curve, plain):
             if c is not None:
                 c.refresh_every = ENGINE_REFRESH_EVERY
@@ -110,8 +113,8 @@ class VerifyBudgetPolicy:
         # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
         self._trim_times: deque[float] = deque(maxlen=32)  # host seconds of recent trim() calls
-        # host seconds a synchronous step adds to its launch-to-readback time (recent median)
-        self._sync_overheads: deque[float] = deque(maxlen=16)
+        # host seconds a synchronous step adds to its launch-to-readback time, by load
+        self.host_overhead = HostOverhead()
         # real / predicted periods of synchronous and of overlapped plain steps (period_bias.py):
         # they scale the two prices when speculation as a whole is weighed against plain
         self.sync_bias, self.plain_bias = PeriodBias(), PeriodBias()
@@ -145,13 +148,13 @@ class VerifyBudgetPolicy:
     def trim_time(self) -> float:
         return statistics.median(self._trim_times) if self._trim_times else 0.0
 
-    def record_sync_overhead(self, seconds: float) -> None:
-        if seconds >= 0:
-            self._sync_overheads.append(seconds)
+    def record_sync_overhead(self, seconds: float, requests: int) -> None:
+        self.host_overhead.record(seconds, requests)
 
     @property
     def sync_overhead(self) -> float:
-        return statistics.median(self._sync_overheads) if self._sync_overheads else 0.0
+        """The host overhead at the load of the newest synchronous step (a metric)."""
+        return self.host_overhead.latest
 
     def record_sync_period(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
         """A synchronous step's whole period (launch-to-readback plus the host work after it)."""
@@ -159,7 +162,7 @@ class VerifyBudgetPolicy:
         # medians: a start-up price (or one awaiting renewal) is off by its own error, which the
         # curve corrects in 3 steps
         if self.plain is not None and self.curve.current(rows):
-            predicted = self.curve.at(rows, kv_tokens, requests) + self.sync_overhead
+            predicted = self.curve.at(rows, kv_tokens, requests) + self.host_overhead.at(requests)
             self.sync_bias.record(seconds, predicted)
 
     def record_plain_step(self, rows: int, seconds: float, kv_tokens: int, requests: int) -> None:
@@ -220,7 +223,8 @@ class VerifyBudgetPolicy:
         # work around it (scheduling, ledger, drafting, the caller): the chooser prices whole
         # periods, or extra rows would look dearer than they are next to that fixed cost. The
         # context and per-request terms are fixed too: the requests do not change with the rows.
-        period = OffsetCurve(self.curve, self.sync_overhead + self.curve.fixed(kv, num_ready))
+        host = self.host_overhead.at(num_ready)
+        period = OffsetCurve(self.curve, host + self.curve.fixed(kv, num_ready))
         choice = choose_verify_budget(usable, base, period, self.max_rows)
         if count:
             self._spec_over_plain = self._overruled = None
@@ -323,7 +327,7 @@ class VerifyBudgetPolicy:
             self._probe_left = PROBE_STEPS
             self.spec_probes += 1
             self.curve.renew()
-            self._sync_overheads.clear()
+            self.host_overhead.renew()
         self._probe_left -= 1
         return True
 

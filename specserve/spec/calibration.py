@@ -1,6 +1,16 @@
-"""The step-cost curve at start-up: synthetic decode/verify steps measure the context term
-(kv_cost), the per-request term (req_cost) and f over the row buckets the engine uses; the raw
-samples are cached per model/device/dtype/threads, so a restart skips the measurement."""
+"""The step-cost curves at start-up: synthetic steps measure the context term (kv_cost), the
+per-request term (req_cost) and f over the row buckets the engine uses; the raw samples are
+cached per model/device/dtype/threads/shape, so a restart skips the measurement.
+
+Each curve is measured in the shape of the steps it prices. The synchronous curve prices
+speculative steps, 1 + k rows per request; the plain curve prices decode steps, one row each.
+Measured decode-shaped up to max_num_seqs rows (and verify-shaped only above), the synchronous
+curve jumped 25 % from 256 to 272 rows on the H200 (8B, 256 requests): one request with two rows
+switches attention to its verify path, which a step of 64 requests x 5 rows does not feel as
+much. Real steps measured at 256 rows (verify-shaped: 15 % above the decode-shaped start-up)
+then scaled the unmeasured 272-320 buckets up by the same 15 %, on top of the jump: at 64
+requests x 4 drafts the chooser kept ~3 drafts per request where fixed k's 4 ran 7 % faster.
+"""
 
 from __future__ import annotations
 
@@ -26,27 +36,42 @@ class StartupCalibration:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    def cache_path(self, root: Path | None, buckets: list[int]) -> Path | None:
+    def cache_path(self, root: Path | None, buckets: list[int], shape: str) -> Path | None:
         if root is None:
             return None
         eng = self.engine
         dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}"
+        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}|{shape}|k={eng.slot_pool.k}"
         return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
-    def load_or_calibrate(self, buckets: list[int], root: Path | None) -> StepCostCurve:
-        path = self.cache_path(root, buckets)
+    def requests_for(self, rows: int, decode_shaped: bool) -> int:
+        """The requests of a synthetic step of `rows` rows: one row each (decode-shaped) or
+        1 + k each (verify-shaped, the last one fewer), up to max_num_seqs."""
+        per = 1 if decode_shaped else 1 + self.engine.slot_pool.k
+        return max(1, min(-(-rows // per), self.engine.config.max_num_seqs))
+
+    def load_or_calibrate(
+        self,
+        buckets: list[int],
+        root: Path | None,
+        decode_shaped: bool = False,
+        fixed: tuple[float, float] | None = None,
+    ) -> StepCostCurve:
+        """The curve over `buckets`, measured with verify-shaped steps (the synchronous curve) or
+        decode-shaped ones (the plain curve). fixed: (kv_cost, req_cost) already measured."""
+        path = self.cache_path(root, buckets, "decode" if decode_shaped else "verify")
         # decode/verify steps up to the largest bucket run padded to their bucket on CUDA
         padded = self.engine.runner.graphs is not None
         curve = StepCostCurve.load(path, buckets, padded) if path is not None else None
         if curve is None:
-            kv_cost = self._measure_kv_cost()
-            req_cost = self._measure_req_cost(kv_cost)
-            curve = StepCostCurve(buckets, padded=padded, kv_cost=kv_cost, req_cost=req_cost)
+            if fixed is None:
+                kv_cost = self._measure_kv_cost()
+                fixed = (kv_cost, self._measure_req_cost(kv_cost))
+            curve = StepCostCurve(buckets, padded=padded, kv_cost=fixed[0], req_cost=fixed[1])
 
             def f(rows: int) -> float:  # the step without its fixed terms
-                n_req = max(1, min(rows, self.engine.config.max_num_seqs))
-                secs = self._synthetic_step(rows)
+                n_req = self.requests_for(rows, decode_shaped)
+                secs = self._synthetic_step(rows, n_req=n_req)
                 return curve.rows_part(secs, n_req * CALIBRATION_CONTEXT, n_req)
 
             curve.calibrate(f, reps=2)

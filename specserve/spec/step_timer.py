@@ -47,7 +47,7 @@ class StepTimer:
             # priced every later speculative step seconds dearer.
             start, launch_to_readback, rows, kv, requests = self._sync_period
             host = min(t_start - start - launch_to_readback, launch_to_readback)
-            self.budget.record_sync_overhead(host)
+            self.budget.record_sync_overhead(host, requests)
             if host >= 0:
                 self._periods.append((rows, launch_to_readback + host, kv, requests))
             self._sync_period = None

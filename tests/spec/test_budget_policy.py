@@ -91,7 +91,7 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
     # the host work a synchronous step adds (scheduling, ledger, drafting: hidden under overlap)
     # is part of a speculative step's price: a slow drafter tips the same case to plain
     slow_drafter = policy_with(1.0)
-    slow_drafter.record_sync_overhead(1.0)
+    slow_drafter.record_sync_overhead(1.0, 32)
     assert slow_drafter.trim(ready, drafts, confs) == [0] * 32
 
 
@@ -307,7 +307,7 @@ def test_the_chooser_prices_whole_step_periods():
     ready, drafts, confs = [object()] * 16, [[1]] * 16, [[0.5]] * 16
     p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve)
     assert p.trim(ready, drafts, confs) == [0] * 16  # 16 / 1.0 beats 24 / 2.0
-    p.record_sync_overhead(2.0)
+    p.record_sync_overhead(2.0, 16)
     assert p.trim(ready, drafts, confs) == [1] * 16  # 24 / 4.0 beats 16 / 3.0
 
 

@@ -74,3 +74,44 @@ def test_fixed_terms_measured_too_high_never_make_the_curve_negative():
         curve.record(rows, synthetic(policy, rows, n_req=n), kv_tokens=n * 200, requests=n)
     assert all(math.isfinite(t) and t > 0 for _, t in curve.points())
     assert all(math.isfinite(curve(r)) and curve(r) > 0 for r in range(1, 700))
+
+
+def test_each_curve_is_measured_in_the_shape_of_the_steps_it_prices(tmp_path):
+    """The synchronous curve prices verify steps (1 + k rows per request), the plain curve
+    decode steps (one row each): their synthetic steps have those shapes, whatever the rows
+    (decode-shaped up to max_num_seqs, the synchronous curve jumped where the shape changed),
+    each is cached apart, and the plain curve reuses the fixed terms it is given."""
+    from types import SimpleNamespace
+
+    from specserve.spec import calibration as bp
+
+    calls = []
+
+    def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
+        calls.append((rows, context, n_req))
+        return 1e-3 + 2e-3 * rows + 3e-4 * (n_req or rows)
+
+    eng = SimpleNamespace(
+        config=SimpleNamespace(max_num_seqs=16, block_size=16, enforce_eager=True),
+        max_num_batched_tokens=80,
+        max_model_len=2048,
+        slot_pool=SimpleNamespace(k=4),
+        runner=SimpleNamespace(graphs=None),
+        model_name="m",
+        device=SimpleNamespace(type="cpu"),
+        dtype="float32",
+    )
+    cal = bp.StartupCalibration(eng)
+    cal._synthetic_step = synthetic.__get__(cal)
+    buckets = [1, 8, 16, 40, 80]
+    cal.load_or_calibrate(buckets, tmp_path)
+    f_calls = {(r, n) for r, c, n in calls if c == bp.CALIBRATION_CONTEXT and r in buckets}
+    assert {(1, 1), (8, 2), (16, 4), (40, 8), (80, 16)} <= f_calls
+    calls.clear()
+    plain = cal.load_or_calibrate(buckets[:3], tmp_path, decode_shaped=True, fixed=(0.0, 3e-4))
+    assert {(r, n) for r, _, n in calls} == {(1, 1), (8, 8), (16, 16)}  # no fixed-term runs
+    assert plain.req_cost == 3e-4 and plain(8) == pytest.approx(1e-3 + 2e-3 * 8)
+    assert len(list((tmp_path / "step-cost").iterdir())) == 2
+    calls.clear()
+    cal.load_or_calibrate(buckets, tmp_path)  # cached: nothing runs
+    assert calls == []

@@ -11,12 +11,14 @@ class _Budget:
     def __init__(self) -> None:
         self.sync, self.steps, self.plain, self.periods = [], [], [], []
         self.prepared = 0
+        self.loads = []
 
     def prepare(self) -> None:
         self.prepared += 1
 
-    def record_sync_overhead(self, s: float) -> None:
+    def record_sync_overhead(self, s: float, requests: int) -> None:
         self.sync.append(s)
+        self.loads.append(requests)
 
     def record_step(self, rows, seconds, kv, requests) -> None:
         self.steps.append((rows, seconds, kv, requests))
@@ -43,7 +45,7 @@ def test_sync_overhead_is_the_gap_to_the_next_step_capped_at_the_step(monkeypatc
     timer.sync_step_processed(1.0, measured=True)
     timer.end_step(unfinished=True, drained=True)
     timer.begin_step(1.005)  # 1 ms after the 4 ms launch-to-readback
-    assert budget.sync == [pytest.approx(0.001)]
+    assert budget.sync == [pytest.approx(0.001)] and budget.loads == [2]
     timer.flush()
     assert budget.steps == [(2, pytest.approx(0.004), 22, 2)]
     timer.read_back(_decode_step(2.0, overlapped=False, behind=False))
