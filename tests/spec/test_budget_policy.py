@@ -203,6 +203,68 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
     assert [1] * 32 not in kept and p.spec_probes == 1  # (draft exploration still runs)
 
 
+def test_probes_that_confirm_plain_come_ever_more_rarely_until_speculation_wins(monkeypatch):
+    """Each probe that confirms plain decoding doubles the wait before the next one at its load
+    (H200 sweeps at R = 0.5, C = 64: runs with probes ran 2-7 % below plain, runs without them
+    0.6 %), up to PROBE_AFTER_MAX; once speculation wins on its own the wait starts over."""
+    from types import SimpleNamespace
+
+    from specserve.spec import budget_policy
+    from specserve.spec.budget_policy import (
+        PROBE_AFTER,
+        PROBE_AFTER_MAX,
+        PROBE_STEPS,
+        VerifyBudgetPolicy,
+    )
+
+    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
+    curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
+    curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    plain = StepCostCurve(curve.buckets, padded=True)
+    plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
+    observe(plain, 32, 1.5)
+    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
+    ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
+    for _ in range(32):
+        curve.record(64, 2.7)  # 19.0 tok/s against 21.3 plain: near enough to probe
+    monkeypatch.setattr(budget_policy, "EXPLORE_EVERY", 10**9)  # probes alone: no exploration
+
+    def trim(step: int) -> list[int]:
+        sched.step_id = step - 1
+        return p.trim(ready, drafts, confs)
+
+    def probe_starts(first: int, last: int) -> list[int]:
+        starts, step = [], first
+        while step <= last:
+            before = p.spec_probes
+            kept = trim(step)
+            if p.spec_probes > before:
+                starts.append(step)
+                for i in range(1, PROBE_STEPS):
+                    assert trim(step + i) == kept  # the probe's steps keep the choice
+                for _ in range(PROBE_STEPS):
+                    p.record_step(64, 2.7, 0, 32)  # the price is confirmed: plain still wins
+                step += PROBE_STEPS
+            else:
+                step += 1
+        return starts
+
+    starts = probe_starts(1, 16 * PROBE_AFTER)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == PROBE_AFTER
+    assert gaps[:3] == [2 * PROBE_AFTER + 3, 4 * PROBE_AFTER + 3, 8 * PROBE_AFTER + 3]
+    assert all(g == PROBE_AFTER_MAX + PROBE_STEPS - 1 for g in gaps[3:])
+    # the spell ends: speculation wins at this load, and the waits start over
+    for _ in range(32):
+        curve.record(64, 2.0)
+    last = starts[-1] + PROBE_AFTER_MAX
+    assert any(trim(last + 1))
+    for _ in range(32):
+        curve.record(64, 2.7)
+    again = probe_starts(last + 2, last + 2 + 2 * PROBE_AFTER)
+    assert again and again[0] - (last + 1) <= PROBE_AFTER + 1
+
+
 def test_no_drafts_while_prompts_being_admitted_raise_the_load_to_where_plain_wins():
     """64 requests decode while 192 wait with room to be admitted: within a few steps 256
     decode, where plain decoding wins, so the first 64 keep no drafts now (each would make a
