@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
 from specserve.spec.calibration import StartupCalibration
-from specserve.spec.host_overhead import HostOverhead, load_range
+from specserve.spec.host_overhead import HostOverhead
 from specserve.spec.period_bias import PeriodBias
+from specserve.spec.probes import ProbeSchedule
 from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
 from specserve.spec.verify_budget import (
     BudgetChoice,
@@ -42,20 +43,7 @@ EXPLORE_UNTIL_SAMPLES = 32
 # an unmeasured plain price is doubted (and measured with one pause) while speculation beats it
 # by less than this: start-up plain prices ran ~18 % above real overlapped steps on the H200
 PLAIN_DOUBT = 0.35
-# ... and the mirror case: while plain decoding wins, no synchronous step runs, so speculation's
-# price is never re-measured either (a CPU run stayed paused at ~1,700 tok/s where the same setup
-# had speculated at 2,400-2,600: its synchronous prices came from a slow spell). When plain wins
-# by less than PLAIN_DOUBT and speculation's newest step is PROBE_AFTER steps old, the next
-# PROBE_STEPS trims keep the speculative choice, and their steps replace the old synchronous
-# measurements (StepCostCurve.renew). Every 128 steps cost ~2 % on the H200 at R = 0.5, C = 64
-# (a probe's 4 synchronous steps there run ~14 % below plain, and entering and leaving it exposes
-# two steps' host work, ~2.3 ms each): every 512, ~0.5 % by that count. Sweeps said more: at
-# R = 0.5, C = 64, runs with probes ran at 0.93-0.98 of plain decoding, the session-11 sweep
-# without them at 0.994. So a probe that confirms plain decoding doubles the wait before the
-# next one at its load (up to PROBE_AFTER_MAX steps); speculation winning there resets it.
-PROBE_AFTER = 512
-PROBE_AFTER_MAX = 8 * PROBE_AFTER
-PROBE_STEPS = 4
+# (the mirror case, speculation's price never re-measured while plain wins, is probes.py's)
 
 _TOKEN_IDS = attrgetter("token_ids")
 
@@ -107,12 +95,8 @@ class VerifyBudgetPolicy:
         self.engine, self.max_rows, self.curve, self.plain = engine, max_rows, curve, plain
         self.plain_chosen = 0  # trims that chose plain overlapped decoding over any speculation
         self.plain_explored = 0  # trims that paused to measure plain decoding at a new load
-        self.spec_probes = 0  # probes that re-measured speculation while plain won (PROBE_AFTER)
         self.plain_ahead = 0  # trims that kept nothing for the load being admitted (_plain_ahead)
-        self._probe_left = 0  # trims left in the current probe
-        self._last_spec_step = 0  # the step id of the newest step that verified drafts
-        # steps without speculation before the next probe, by load range (PROBE_AFTER if absent)
-        self._probe_after: dict[int, int] = {}
+        self.probes = ProbeSchedule()  # re-measuring speculation while plain wins
         # the speculative choice the last _choose overruled for plain decoding, or None
         self._overruled: BudgetChoice | None = None
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
@@ -270,16 +254,12 @@ class VerifyBudgetPolicy:
             choice = choice._replace(num_verify=[0] * base, expected_tokens=float(base))
             self.plain_ahead += 1
         elif self._overruled is not None:
-            if self._probes(step, base):
+            if self._probe(step, base):
                 choice = self._overruled
             else:
                 self.plain_chosen += 1
         else:
-            if self._probe_left:
-                self._probe_left -= 1  # the chooser's own verdict: the probe's step is spent
-            if self._probe_after and any(choice.num_verify):
-                # speculation won on its own: probes at this load start over from PROBE_AFTER
-                self._probe_after.pop(load_range(base), None)
+            self.probes.not_overruled(base, any(choice.num_verify))
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0 or self._confidences_young():
@@ -312,7 +292,7 @@ class VerifyBudgetPolicy:
             choice = choice._replace(num_verify=keep, expected_tokens=float(len(ready)))
             self.plain_explored += 1
         if any(keep):
-            self._last_spec_step = step
+            self.probes.spec_ran(step)
         self.offered_rows += sum(lens)
         self.chosen_rows += sum(keep)
         self._uncounted.append(keep)
@@ -324,26 +304,22 @@ class VerifyBudgetPolicy:
         """The id of the step being drafted for (0 for a test's stand-in scheduler)."""
         return getattr(self.engine.scheduler, "step_id", -1) + 1
 
-    def _probes(self, step: int, num_ready: int) -> bool:
+    def _probe(self, step: int, num_ready: int) -> bool:
         """Plain decoding has just won: does this trim keep the speculative choice anyway, to
-        re-measure it (PROBE_AFTER)? Starting a probe renews the synchronous measurements: the
-        curve's windows and the host overhead are replaced by the probe's steps; and doubles
-        the wait before the next probe at this load, which speculation winning resets."""
-        if not self._probe_left:
-            near = self._spec_over_plain is not None and (
-                self._spec_over_plain * (1.0 + PLAIN_DOUBT) >= 1.0
-            )
-            r = load_range(num_ready)
-            wait = self._probe_after.get(r, PROBE_AFTER)
-            if not near or step - self._last_spec_step < wait:
-                return False
-            self._probe_after[r] = min(2 * wait, PROBE_AFTER_MAX)
-            self._probe_left = PROBE_STEPS
-            self.spec_probes += 1
+        re-measure it (probes.py)? A new probe renews the synchronous measurements: the curve's
+        windows and the host overhead are replaced by the probe's steps."""
+        near = self._spec_over_plain is not None and (
+            self._spec_over_plain * (1.0 + PLAIN_DOUBT) >= 1.0
+        )
+        probe, fresh = self.probes.take(step, num_ready, near)
+        if fresh:
             self.curve.renew()
             self.host_overhead.renew()
-        self._probe_left -= 1
-        return True
+        return probe
+
+    @property
+    def spec_probes(self) -> int:
+        return self.probes.count
 
     def _imminent_load(self, num_ready: int) -> int:
         """The requests that will be decoding within a few steps: the running ones (decoding or

@@ -170,7 +170,8 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
     corrected price speculation wins again. Where plain wins by more, no probe."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import PROBE_AFTER, PROBE_STEPS, VerifyBudgetPolicy
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.spec.probes import PROBE_AFTER, PROBE_STEPS
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
     curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
@@ -210,12 +211,8 @@ def test_probes_that_confirm_plain_come_ever_more_rarely_until_speculation_wins(
     from types import SimpleNamespace
 
     from specserve.spec import budget_policy
-    from specserve.spec.budget_policy import (
-        PROBE_AFTER,
-        PROBE_AFTER_MAX,
-        PROBE_STEPS,
-        VerifyBudgetPolicy,
-    )
+    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.spec.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
     curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
