@@ -1,5 +1,6 @@
 #!/bin/bash
-# Prepared in session 12 for the next session (not run yet): one sweep per call, 9 interleaved
+# Prepared in session 12 for the next session (not run yet; run gpu_run56.sh, the GPU suite, first:
+# the drain backoff in spec/speculator.py came after it). One sweep per call, 9 interleaved
 # repeats (5 left verdicts at the mercy of one drifting host: gpu_run55's R = 0.8 missed C = 1
 # and 16 by medians with exactly fixed k's steps, paired ratios 0.989 and 0.979). ~400 s each:
 #   SWEEP_R=0.8 bash results/h200/gpu_run58.sh   and then   SWEEP_R=0.5 bash results/h200/gpu_run58.sh

@@ -99,6 +99,8 @@ class VerifyBudgetPolicy:
         self.probes = ProbeSchedule()  # re-measuring speculation while plain wins
         # the speculative choice the last _choose overruled for plain decoding, or None
         self._overruled: BudgetChoice | None = None
+        # the last trim's verdict kept drafts on its own merits (not a probe's or exploration's)
+        self.verdict_speculates = False
         # host seconds the drafter takes per step (recent median; a metric: the sync overhead
         # below includes it)
         self._draft_times: deque[float] = deque(maxlen=32)
@@ -250,6 +252,7 @@ class VerifyBudgetPolicy:
         kv = self._kv_tokens(ready)
         choice = self._choose(usable, base, kv)
         step = self._next_step()
+        self.verdict_speculates = False
         if self._overruled is None and any(choice.num_verify) and self._plain_ahead(usable, kv):
             choice = choice._replace(num_verify=[0] * base, expected_tokens=float(base))
             self.plain_ahead += 1
@@ -259,7 +262,8 @@ class VerifyBudgetPolicy:
             else:
                 self.plain_chosen += 1
         else:
-            self.probes.not_overruled(base, any(choice.num_verify))
+            self.verdict_speculates = any(choice.num_verify)
+            self.probes.not_overruled(base, self.verdict_speculates)
         keep = choice.num_verify
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0 or self._confidences_young():

@@ -7,6 +7,13 @@ pauses: the next PAUSE_STEPS steps draft nothing and run overlapped (host work h
 end of a pause the budget is first asked with the last drafting round's confidences (no
 synchronous step needed); after MAX_STALE_PAUSES such extensions in a row the engine drafts for
 real, so the confidences priced are never more than (1 + MAX_STALE_PAUSES) pauses old.
+
+A real drafting round drains the pipeline: the step in flight is read back and processed before
+the next one is launched, so one step's host work is exposed (2-12 ms on the H200 host at 64-256
+requests), once every 64 steps: ~1 % of plain decoding there, about what paused auto ran below
+off in the sweeps. So each forced round that confirms the pause doubles the extensions allowed
+before the next one (64, 128, 256, then every 512 steps), and a round whose verdict keeps drafts
+starts over from MAX_STALE_PAUSES. The load is still re-priced every PAUSE_STEPS steps.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ if TYPE_CHECKING:
 # the load falling.
 PAUSE_STEPS = 8
 MAX_STALE_PAUSES = 7
+MAX_STALE_PAUSES_CAP = 63  # real drafting rounds at least every 512 steps
 
 
 class Speculator:
@@ -37,6 +45,7 @@ class Speculator:
         self.pool = engine.slot_pool
         self._paused_until = 0  # steps before this id run without drafts, overlapped
         self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
+        self._stale_limit = MAX_STALE_PAUSES  # extensions allowed before drafting for real
 
     def paused(self, next_step: int) -> bool:
         """Does step `next_step` run with speculation paused (overlapped, no drafts)?"""
@@ -47,7 +56,7 @@ class Speculator:
         # the pause is over: if the budget still wants plain decoding at this load (asked with
         # the last drafting round's confidences), extend it without a synchronous step
         budget = self.engine.budget
-        if self._stale_pauses < MAX_STALE_PAUSES and budget.keeps_pausing():
+        if self._stale_pauses < self._stale_limit and budget.keeps_pausing():
             self._stale_pauses += 1
             self._paused_until = next_step + PAUSE_STEPS
             return True
@@ -139,6 +148,11 @@ class Speculator:
                 # at their last token). Prompt chunks in the step do not sway the verdict: the
                 # budget prices drafts as in a decode-only step (VerifyBudgetPolicy._choose).
                 pause = any(limits) and not any(keep)
+                if budget.verdict_speculates:
+                    self._stale_limit = MAX_STALE_PAUSES
+                elif pause and self._stale_pauses >= self._stale_limit:
+                    # a round forced by staleness confirmed the pause: the next comes later
+                    self._stale_limit = min(2 * self._stale_limit + 1, MAX_STALE_PAUSES_CAP)
                 self._paused_until = eng.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
                 self._stale_pauses = 0
         for s, (d, conf) in zip(ready, proposals):

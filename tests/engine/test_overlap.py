@@ -208,6 +208,39 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     assert kinds.count(False) <= len(trims) + 2  # prefill + one synchronous step per real trim
 
 
+def test_drafting_rounds_that_confirm_a_pause_come_ever_more_rarely(monkeypatch):
+    """Each real drafting round drains the pipeline (one step's host work exposed). A round
+    forced by staleness that confirms the pause doubles the extensions before the next one, up
+    to MAX_STALE_PAUSES_CAP; a round whose verdict keeps drafts starts over. Lossless."""
+    from specserve.spec.speculator import MAX_STALE_PAUSES, MAX_STALE_PAUSES_CAP, PAUSE_STEPS
+
+    prompt = [101, 102, 103, 104] * 8  # n-gram drafts at every step
+    n_tokens = 1800
+    sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(False), [prompt], sp)
+    llm = make_llm(max_num_seqs=2, overlap=True, speculative_config=NGRAM, max_model_len=2048)
+    eng = llm.engine
+    budget = eng.budget
+    trims: list[int] = []
+    speculate_at = {5}  # the 6th real round's verdict keeps its drafts
+
+    def trim(ready, drafts, confs):
+        trims.append(eng.scheduler.step_id)
+        budget.verdict_speculates = len(trims) - 1 in speculate_at
+        return [len(d) for d in drafts] if budget.verdict_speculates else [0] * len(drafts)
+
+    monkeypatch.setattr(budget, "trim", trim)
+    monkeypatch.setattr(budget, "keeps_pausing", lambda: True)
+    assert _run(llm, [prompt], sp) == want
+    gaps = [b - a for a, b in zip(trims, trims[1:])]
+    first = PAUSE_STEPS * (1 + MAX_STALE_PAUSES)
+    top = PAUSE_STEPS * (1 + MAX_STALE_PAUSES_CAP)
+    # 64, 128, 256, 512, 512 steps; then a round that speculates (one synchronous step and a
+    # fresh round after it) and the waits start over from 64
+    assert gaps[:5] == [first, 2 * first, 4 * first, top, top]
+    assert gaps[5] <= 2 and gaps[6] == first
+
+
 def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
     """A step where no request has room to draft (each at its last token) is no verdict on the
     load: the engine must not pause speculation for the requests that come next. Golden drafts
