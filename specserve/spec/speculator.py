@@ -6,7 +6,8 @@ synchronously. When the verify budget keeps no drafts at all at the current load
 pauses: the next PAUSE_STEPS steps draft nothing and run overlapped (host work hidden). At the
 end of a pause the budget is first asked with the last drafting round's confidences (no
 synchronous step needed); after MAX_STALE_PAUSES such extensions in a row the engine drafts for
-real, so the confidences priced are never more than (1 + MAX_STALE_PAUSES) pauses old.
+real, so the confidences priced are a bounded number of pauses old (1 + MAX_STALE_PAUSES_CAP at
+most, below).
 
 A real drafting round drains the pipeline: the step in flight is read back and processed before
 the next one is launched, so one step's host work is exposed (2-12 ms on the H200 host at 64-256
