@@ -19,6 +19,7 @@ that is throughput-optimal, not a bug.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -53,11 +54,11 @@ def _choose_loop(
     max_rows: int,
 ) -> BudgetChoice:
     n_req = len(confidences)
-    items = []  # (-survival, position, request): survivals() inlined, the same arithmetic
+    items = []  # (-survival, position, request): survivals(), the same arithmetic (1.0 * c == c)
     for i, conf in enumerate(confidences):
-        a = 1.0
-        for j, c in enumerate(conf):
-            a *= min(max(c, 0.0), 1.0)
+        if conf and (min(conf) < 0.0 or max(conf) > 1.0):
+            conf = [min(max(c, 0.0), 1.0) for c in conf]  # drafters' confidences rarely need it
+        for j, a in enumerate(itertools.accumulate(conf, operator.mul)):
             if a <= 0.0:
                 break  # later drafts survive with probability 0 too
             items.append((-a, j, i))

@@ -159,3 +159,22 @@ def test_padded_chooser_scores_bucket_tops_only_and_matches_brute_force(conf, pt
     assert got.num_verify == every.num_verify
     assert got.total_rows == every.total_rows
     assert got.expected_tokens == pytest.approx(every.expected_tokens)
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_confidences_out_of_range_are_clipped_like_in_range_ones(n):
+    """A drafter's confidence above 1 or below 0 counts as 1 or 0, in the loop and in numpy."""
+    from specserve.spec import verify_budget as vb
+
+    rng = random.Random(n)
+    raw = [[rng.uniform(-0.5, 1.5) for _ in range(4)] for _ in range(n)]
+    clipped = [[min(max(c, 0.0), 1.0) for c in conf] for conf in raw]
+
+    def step_time(rows: int) -> float:
+        return 1.0 + rows / 8
+
+    for choose in (vb._choose_loop, vb.choose_verify_budget):
+        assert choose(raw, n, step_time, 4 * n) == choose(clipped, n, step_time, 4 * n)
+    assert vb.choose_verify_budget(raw, n, step_time, 4 * n) == vb._choose_loop(
+        clipped, n, step_time, 4 * n
+    )
