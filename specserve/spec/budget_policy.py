@@ -392,7 +392,7 @@ class VerifyBudgetPolicy:
     def keeps_pausing(self) -> bool:
         """At the end of a pause (overlapped plain steps): would the chooser still keep no drafts
         for the requests decoding now (or soon: _imminent_load)? Confidences come from the last
-        round that drafted, the one that started the pause (up to a few pauses old): its
+        round that drafted, the one that started the pause (up to 64 pauses old: speculator.py): its
         confidences, taken in turn over those requests, priced with the current curves. Asking
         this needs no drafts, so no synchronous step; False means "draft and ask for real" (also
         when that round had no drafts at all: only drafting can tell whether there are any now)."""
