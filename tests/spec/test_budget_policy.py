@@ -162,16 +162,13 @@ def test_plain_decoding_at_an_unmeasured_load_gets_one_pause_to_measure_it():
     assert all(any(k) for k in kept) and sure.plain_explored == 0
 
 
-def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
-    """The mirror of the plain pause: while plain decoding wins, no synchronous step runs, so a
-    speculative price set in a slow spell would never be corrected. Once speculation's newest
-    step is PROBE_AFTER steps old and plain wins by less than PLAIN_DOUBT, PROBE_STEPS trims keep
-    the speculative choice; their steps replace the old synchronous measurements, and with the
-    corrected price speculation wins again. Where plain wins by more, no probe."""
+def _slow_spell_policy():
+    """A policy at 32 requests x 2 drafts whose synchronous price comes from a slow spell:
+    32 x 1.6 tokens in 2.7 -> 19.0 tok/s, below plain's 21.3 but near enough to probe. Returns
+    the policy, its synchronous curve and trim(step): the trim drafting for step `step`."""
     from types import SimpleNamespace
 
     from specserve.spec.budget_policy import VerifyBudgetPolicy
-    from specserve.spec.probes import PROBE_AFTER, PROBE_STEPS
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
     curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
@@ -182,11 +179,25 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
     p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
     ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
     for _ in range(32):
-        curve.record(64, 2.7)  # a slow spell: 32 x 1.6 tokens in 2.7 -> 19.0 tok/s < 21.3 plain
+        curve.record(64, 2.7)
 
     def trim(step: int) -> list[int]:
         sched.step_id = step - 1  # the trim drafts for the step after the scheduler's last
         return p.trim(ready, drafts, confs)
+
+    return p, curve, trim
+
+
+def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
+    """The mirror of the plain pause: while plain decoding wins, no synchronous step runs, so a
+    speculative price set in a slow spell would never be corrected. Once speculation's newest
+    step is PROBE_AFTER steps old and plain wins by less than PLAIN_DOUBT, PROBE_STEPS trims keep
+    the speculative choice; their steps replace the old synchronous measurements, and with the
+    corrected price speculation wins again. Where plain wins by more, no probe."""
+
+    from specserve.spec.probes import PROBE_AFTER, PROBE_STEPS
+
+    p, curve, trim = _slow_spell_policy()
 
     assert trim(10) == [0] * 32 and p.plain_chosen == 1
     assert trim(PROBE_AFTER - 1) == [0] * 32  # speculation's newest step is not old enough
@@ -208,27 +219,12 @@ def test_probes_that_confirm_plain_come_ever_more_rarely_until_speculation_wins(
     """Each probe that confirms plain decoding doubles the wait before the next one at its load
     (H200 sweeps at R = 0.5, C = 64: runs with probes ran 2-7 % below plain, runs without them
     0.6 %), up to PROBE_AFTER_MAX; once speculation wins on its own the wait starts over."""
-    from types import SimpleNamespace
 
     from specserve.spec import budget_policy
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
     from specserve.spec.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS
 
-    sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
-    curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
-    curve.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
-    plain = StepCostCurve(curve.buckets, padded=True)
-    plain.calibrate(lambda rows: 1.0 + rows / 64, reps=1)
-    observe(plain, 32, 1.5)
-    p = VerifyBudgetPolicy.from_curves(SimpleNamespace(scheduler=sched), 512, curve, plain)
-    ready, drafts, confs = [object()] * 32, [[1, 2]] * 32, [[0.6, 0.5]] * 32
-    for _ in range(32):
-        curve.record(64, 2.7)  # 19.0 tok/s against 21.3 plain: near enough to probe
     monkeypatch.setattr(budget_policy, "EXPLORE_EVERY", 10**9)  # probes alone: no exploration
-
-    def trim(step: int) -> list[int]:
-        sched.step_id = step - 1
-        return p.trim(ready, drafts, confs)
+    p, curve, trim = _slow_spell_policy()
 
     def probe_starts(first: int, last: int) -> list[int]:
         starts, step = [], first
