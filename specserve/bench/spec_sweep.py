@@ -312,18 +312,23 @@ def _checks(
     identical: dict[int, bool] = {}
     for c in levels:
         off, fixed, auto = by[("off", c)], by[("fixed", c)], by[("auto", c)]
-        good = auto >= max(off, fixed) * 0.97 and auto >= off * 0.98
+        # The verdict is on ratios taken within each repeat (auto against the fixed-k and the
+        # off run right beside it), then their median: host speed drifts between runs by more
+        # than the margins checked (H200, R = 0.8, C = 16: fixed k's 9 repeats ran 5,200-6,258
+        # tok/s), and a ratio of two runs a minute apart cancels what the ratio of the two
+        # modes' medians keeps. Taken against off and fixed k separately, not against the
+        # faster of each repeat's two: that maximum of two noisy runs reads high where the
+        # modes tie. The ratio of the medians is printed beside it.
+        triples = list(zip(runs[("off", c)], runs[("fixed", c)], runs[("auto", c)]))
+        over_off = statistics.median(a / o for o, _f, a in triples)
+        over_fixed = statistics.median(a / f for _o, f, a in triples)
+        good = over_fixed >= 0.97 and over_off >= 0.98
         ok &= good
         identical[c] = len({digests[(m, c)] for m in MODES}) == 1
-        # a second reading (the check stays on the medians): each repeat ran the modes back to
-        # back, so the median of the per-repeat ratios cancels drifts slower than a repeat
-        paired = statistics.median(
-            a / max(o, f)
-            for o, f, a in zip(runs[("off", c)], runs[("fixed", c)], runs[("auto", c)])
-        )
         line = (
-            f"C={c}: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f}, fixed/off "
-            f"{fixed / off:.3f}, paired auto/best {paired:.3f} -> {'ok' if good else 'MISSED'}"
+            f"C={c}: paired auto/fixed {over_fixed:.3f}, auto/off {over_off:.3f} -> "
+            f"{'ok' if good else 'MISSED'} (medians: auto/off {auto / off:.3f}, auto/fixed "
+            f"{auto / fixed:.3f}, fixed/off {fixed / off:.3f})"
         )
         if outputs_must_match and not identical[c]:
             # golden tokens force the outputs: any difference is an engine bug, not noise
