@@ -1,7 +1,8 @@
 """Fixed k against auto alone, alternating order each repeat (fixed, auto / auto, fixed), same
 engines and requests (the spec-sweep's n-gram HumanEval setup): is a sweep miss where both make
 the same decisions systematic, or the VM's noise? Session 11: C = 4, 10 repeats, medians 88.4 vs
-88.3 tok/s (0.999), paired ratios 0.905-1.13.
+88.3 tok/s (0.999), paired ratios 0.905-1.13. Session 13, 14 repeats: C = 4 88.8 vs 89.2 (1.004),
+C = 16 152.3 vs 157.2 (1.032).
 
     python results/cpu/diag/ab_fixed_auto.py 4 10
 """
