@@ -1,7 +1,7 @@
 """Build .devcarry: what a GPU run carries to the device machine, which has no model hub, no
 `gguf` package and a 64 MiB carry limit: the default model's tokenizer (dummy models use it) and
 the ShareGPT pairs. On the device: SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and
-SPECSERVE_CACHE=$PWD/.devcarry/cache (see results/h200/gpu_run*.sh).
+SPECSERVE_CACHE=$PWD/.devcarry/cache (see benchmarks/h200.sh).
 
     python -m specserve.bench.devcarry   (or: make devcarry)
 """

@@ -4,8 +4,8 @@ golden-curve chart (`plot_golden_curve`, drawn from its JSON report), the specul
 tok/s-vs-concurrency lines (`plot_sweep`) and the serving benchmark's latency panels
 (`plot_serve_report`).
 
-    specserve bench plot results/h200/b1_llama8b.json results/h200/b1_smollm2.json \
-        results/h200/tp256_llama8b.json --out results/h200/specserve_vs_hf.png
+    specserve bench plot b1_llama8b.json b1_smollm2.json throughput256_llama8b.json \
+        --out specserve_vs_hf.png
 
 Batch-1 reports compare the median per-request decode rate (what a user of one stream sees);
 batched reports compare output tokens per second over the whole run. Each panel has its own

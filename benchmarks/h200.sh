@@ -1,0 +1,32 @@
+#!/bin/bash
+# Regenerates benchmarks/h200/ on one NVIDIA H200. Each part fits one 10-minute device command:
+#   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, ignored by git)
+#   on the GPU: bash benchmarks/h200.sh PART      with .devcarry carried; results land in $OUT
+# PART: tests | decode | sweep05 | sweep08 | curve | idle | profile (default: decode)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/h200}
+S="python3 -m specserve.cli.main"
+B1="bench throughput --dataset random --input-len 128 --max-tokens 256 --ignore-eos --dtype bfloat16 --max-model-len 4096 --batch-1 --num-prompts 3 --max-num-seqs 8"
+SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats 9 --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
+case ${1:-decode} in
+  tests)  # the GPU test suite (~6 min)
+    timeout 560 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests 2>&1 | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
+    tail -3 "$OUT/gpu_tests.txt" ;;
+  decode)  # batch-1 decode against the copy-bandwidth roofline; 256 requests against HF continuous batching
+    $S $B1 --model dummy:llama-3.1-8b --json "$OUT/b1_llama8b.json"
+    $S $B1 --model dummy:smollm2-135m --json "$OUT/b1_smollm2.json"
+    $S bench throughput --model dummy:llama-3.1-8b --dataset random --input-len 512 --input-len-min 32 --max-tokens 256 --ignore-eos --num-prompts 256 --max-num-seqs 256 --dtype bfloat16 --max-model-len 1024 --baseline hf-cb --json "$OUT/throughput256_llama8b.json"
+    $S bench plot "$OUT/b1_llama8b.json" "$OUT/b1_smollm2.json" "$OUT/throughput256_llama8b.json" --out "$OUT/specserve_vs_hf.png" ;;
+  sweep05) $S $SWEEP --acceptance-rate 0.5 --json "$OUT/spec_sweep_golden_r05.json" --plot "$OUT/spec_sweep_golden_r05.png" ;;
+  sweep08) $S $SWEEP --acceptance-rate 0.8 --json "$OUT/spec_sweep_golden_r08.json" --plot "$OUT/spec_sweep_golden_r08.png" ;;
+  curve)
+    $S bench golden-curve --model dummy:llama-3.1-8b --k 4 --acceptance-rates 0,0.5,0.8,1.0 --batch-sizes 1,16,64 --input-len 128 --max-tokens 256 --repeats 2 --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 16 --json "$OUT/golden_curve_llama8b.json" --plot "$OUT/golden_curve_llama8b.png" ;;
+  idle) $S bench idle --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json" ;;
+  profile)
+    $S bench profile --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
+    $S bench profile --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | curve | idle | profile)" >&2; exit 2 ;;
+esac
