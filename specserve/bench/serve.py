@@ -85,7 +85,7 @@ def build_requests(s: ServeBenchSettings) -> list[BenchRequest]:
     if s.tokenizer:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(s.tokenizer)
+        tok = AutoTokenizer.from_pretrained(s.tokenizer, local_files_only=True)
     else:  # the default model's (SmolLM2), also what dummy: models use
         from specserve.model.loader import default_tokenizer
 

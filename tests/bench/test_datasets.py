@@ -7,6 +7,7 @@ import zipfile
 
 import pytest
 
+from specserve import env
 from specserve.bench import datasets as ds
 from specserve.bench.datasets import (
     iter_json_array,
@@ -219,17 +220,21 @@ def test_open_package_data_installed(tmp_path, monkeypatch):
     (tmp_path / "fakebenchpkg" / "__init__.py").write_text("")
     (pkg / "x.json").write_bytes(b"[1, 2]")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
-    with ds.open_package_data("fakebenchpkg", "0.1", "fakebenchpkg/data/x.json") as f:
+    with (
+        env.override(cache_dir=tmp_path / "cache"),
+        ds.open_package_data("fakebenchpkg", "0.1", "fakebenchpkg/data/x.json") as f,
+    ):
         assert f.read() == b"[1, 2]"
     assert not (tmp_path / "cache").exists()  # found installed: nothing fetched
 
 
 def test_open_package_data_cached_wheel(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     with zipfile.ZipFile(tmp_path / "wheels" / "not_installed_pkg-0.2-py3-none-any.whl", "w") as z:
         z.writestr("not_installed_pkg/data/d.jsonl.gz", gzip.compress(b'{"k": 1}\n'))
     member = "not_installed_pkg/data/d.jsonl.gz"
-    with ds.open_package_data("not-installed-pkg", "0.2", member) as f:
+    with (
+        env.override(cache_dir=tmp_path),
+        ds.open_package_data("not-installed-pkg", "0.2", member) as f,
+    ):
         assert gzip.decompress(f.read()) == b'{"k": 1}\n'

@@ -1,0 +1,71 @@
+"""Every SPECSERVE_* environment variable, read once, in one place.
+
+The process reads them when this module is first imported; code asks `env.settings`, never
+`os.environ`. Tests and benchmarks change a switch for a block with `env.override(...)`, which
+restores the previous values on exit:
+
+    with env.override(gemv=False):
+        ...
+
+| variable | default | meaning |
+|---|---|---|
+| SPECSERVE_CACHE | ~/.cache/specserve | default model, converted GGUF weights, datasets, step-cost curves |
+| SPECSERVE_TOKENIZER | (none) | tokenizer directory for `dummy:` models (else the default model's) |
+| SPECSERVE_API_KEY | (none) | `specserve serve`'s default `--api-key` |
+| SPECSERVE_GEMV | 1 | one-row Triton GEMV for the decoder linears on CUDA (0: cuBLAS) |
+| SPECSERVE_FUSED_OPS | 1 | fused Triton add+RMSNorm, rotary + KV write, silu-and-mul on CUDA |
+| SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
+| SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "1") != "0"
+
+
+@dataclass
+class Settings:
+    cache_dir: Path
+    tokenizer: str | None
+    api_key: str | None
+    gemv: bool
+    fused_ops: bool
+    pdl: bool
+    fused_verify: bool
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Settings:
+        cache = environ.get("SPECSERVE_CACHE") or str(Path.home() / ".cache" / "specserve")
+        return cls(
+            cache_dir=Path(cache),
+            tokenizer=environ.get("SPECSERVE_TOKENIZER") or None,
+            api_key=environ.get("SPECSERVE_API_KEY") or None,
+            gemv=_flag(environ, "SPECSERVE_GEMV"),
+            fused_ops=_flag(environ, "SPECSERVE_FUSED_OPS"),
+            pdl=_flag(environ, "SPECSERVE_PDL"),
+            fused_verify=_flag(environ, "SPECSERVE_FUSED_VERIFY"),
+        )
+
+
+settings = Settings.from_environ(os.environ)
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """Change some settings for the duration of a block (unknown names raise TypeError)."""
+    global settings
+    before = settings
+    settings = dataclasses.replace(before, **changes)
+    try:
+        yield settings
+    finally:
+        settings = before
