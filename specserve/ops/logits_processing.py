@@ -1,0 +1,60 @@
+"""Per-row logit bias, allowed-token whitelists and token bans (vLLM/OpenAI semantics).
+
+The rows are a step's sample rows: plain rows and verify rows alike, so the distribution a
+verify row checks its draft against is the processed one and speculation stays lossless. The
+caller decides what each row bans (bad words depend on the tokens before the row, drafts
+included); this module only takes flat (row, column) lists built on the host.
+
+No host sync: every op is an index op on flat indices (advanced-index assignment would sync on
+CUDA), and no tensor is inspected for its values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LogitsProcessing(NamedTuple):
+    """What to do to which rows; a part is None when no row of the step needs it."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, cols [B] int64, [B] f32
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # rows [A] int64, ids [A, L] int64 -1 pad
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # rows, cols [K] int64: set to -inf
+
+
+def allowed_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[A, L] int64 token ids padded with -1 -> [A, V] bool, True where a token is NOT allowed."""
+    a = ids.shape[0]
+    # padding goes to a dump column V, so one scatter handles it with no masking pass
+    idx = torch.where(ids < 0, vocab_size, ids)  # [A, L]
+    keep = torch.zeros(a, vocab_size + 1, dtype=torch.bool, device=ids.device)  # [A, V+1]
+    keep.scatter_(1, idx, True)
+    return ~keep[:, :vocab_size]  # [A, V]
+
+
+def apply_logits_processing(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:
+    """Processed logits [N, V] float32; the input is not modified.
+
+    Order (vLLM's): logit bias is added to the raw logits, then everything outside a row's
+    allowed ids and every banned (row, token) goes to -inf. The masks commute with each other
+    and with the bias (a masked logit stays -inf), and the penalties applied after them keep
+    -inf at -inf.
+    """
+    vocab = logits.shape[1]
+    out = logits.to(torch.float32, copy=True)  # [N, V]
+    flat = out.view(-1)  # [N * V], shares out's storage
+    if proc.bias is not None:
+        rows, cols, values = proc.bias
+        # a row's bias keys are distinct (a dict), so no two adds hit one element
+        flat.index_add_(0, rows * vocab + cols, values)
+    if proc.allowed is not None:
+        rows, ids = proc.allowed
+        sub = out.index_select(0, rows)  # [A, V]
+        sub.masked_fill_(allowed_mask(ids, vocab), float("-inf"))
+        out.index_copy_(0, rows, sub)
+    if proc.banned is not None:
+        rows, cols = proc.banned
+        flat.index_fill_(0, rows * vocab + cols, float("-inf"))
+    return out
