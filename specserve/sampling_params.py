@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -108,6 +108,20 @@ class SamplingParams:
     # teacher forcing (benchmarks, tests): output token i is golden_token_ids[i] while there is one;
     # drafts are accepted exactly when they match it, so acceptance can be dialled in
     golden_token_ids: list[int] | None = None
+    # --- begin block: logits processing and prompt logprobs (helper "sampling"; vLLM meaning) ---
+    # logit_bias: token id -> bias in [-100, 100], added to the raw logits of every sampled row
+    logit_bias: dict[int, float] | None = None
+    # allowed_token_ids: only these ids can be sampled (non-empty)
+    allowed_token_ids: list[int] | None = None
+    # bad_words: a word's last token is banned where the output so far ends with its other tokens
+    bad_words: list[str] | None = None
+    # prompt_logprobs: None off; N >= 0: logprob of each prompt token given its prefix + top-N
+    prompt_logprobs: int | None = None
+    # bad_words tokenized (with and without a leading space) by resolve_bad_words at request entry
+    bad_words_token_ids: list[list[int]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    # --- end block ---
 
     def __post_init__(self) -> None:
         self.validate()
@@ -178,6 +192,7 @@ class SamplingParams:
                 )
         if self.golden_token_ids is not None:
             self.golden_token_ids = _token_ids(self.golden_token_ids, "golden_token_ids")
+        self._validate_logits_processing()
 
     @staticmethod
     def _stop_list(stop: Any) -> list[str]:
@@ -199,6 +214,8 @@ class SamplingParams:
         never reaches the sampler's int32 tables), truncate_prompt_tokens within its context."""
         _check_vocab(self.stop_token_ids, "stop_token_ids", vocab_size)
         _check_vocab(self.golden_token_ids, "golden_token_ids", vocab_size)
+        _check_vocab(list(self.logit_bias or ()), "logit_bias", vocab_size)
+        _check_vocab(self.allowed_token_ids, "allowed_token_ids", vocab_size)
         if self.top_k >= vocab_size:
             self.top_k = 0
         k = self.truncate_prompt_tokens
@@ -207,3 +224,70 @@ class SamplingParams:
                 f"truncate_prompt_tokens ({k}) must not exceed max_model_len ({max_model_len})",
                 "truncate_prompt_tokens",
             )
+
+    # --- begin block: logits processing and prompt logprobs (helper "sampling") ---------------
+    @property
+    def has_logits_processing(self) -> bool:
+        """Any of logit_bias / allowed_token_ids / bad_words set (the sampler's slow path)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """The sampler needs every output token on the host (penalties, bad words), so a step
+        of this request cannot overlap the one in flight."""
+        return self.has_penalties or bool(self.bad_words)
+
+    def _validate_logits_processing(self) -> None:
+        """Types and ranges of logit_bias, allowed_token_ids, bad_words, prompt_logprobs
+        (vocabulary bounds: validate_for_model); normalises what it accepts."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad(
+                    f"logit_bias must be a map from token id to bias, got "
+                    f"{type(self.logit_bias).__name__}",
+                    "logit_bias",
+                )
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                tok = _int(k, "logit_bias", 0, what="keyed by non-negative token ids")
+                b = _float(v, "logit_bias")
+                if not -100.0 <= b <= 100.0:
+                    raise _bad(f"logit_bias values must be in [-100, 100], got {b}", "logit_bias")
+                bias[tok] = b
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise _bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or any(
+                not isinstance(w, str) or w == "" for w in words
+            ):
+                raise _bad("bad_words must be a list of non-empty strings", "bad_words")
+            self.bad_words = list(words)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+
+    def resolve_bad_words(self, tokenizer: Any, vocab_size: int) -> None:
+        """Tokenize bad_words into bad_words_token_ids (vLLM's rule): each word with its leading
+        whitespace stripped, and again with one leading space; the spaced variant is kept only
+        when it tokenizes to as many tokens as the bare one but starts with another token (so
+        a word is banned at the start of the text and in its middle). The engine calls it at
+        add_request: a model without a tokenizer refuses bad_words."""
+        self.bad_words_token_ids = []
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise _bad("bad_words needs a model with a tokenizer", "bad_words")
+        for word in self.bad_words:
+            bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if bare:
+                self.bad_words_token_ids.append(bare)
+            if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+                self.bad_words_token_ids.append(spaced)
+        if any(t < 0 or t >= vocab_size for w in self.bad_words_token_ids for t in w):
+            raise _bad(f"bad_words tokenize to token ids outside [0, {vocab_size})", "bad_words")
+
+    # --- end block ---
