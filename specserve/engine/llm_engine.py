@@ -69,7 +69,9 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, progress=progress)
+        loaded = load_model(
+            config.model, self.dtype, self.device, progress, config.tokenizer, config.revision
+        )
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -77,9 +79,7 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            8192 if self.device.type == "cuda" else 2048
-        )
+        self.max_num_batched_tokens = config.step_token_budget(self.device.type, self.max_model_len)
         if self.max_num_batched_tokens < config.max_num_seqs * (1 + k):
             self.max_num_batched_tokens = config.max_num_seqs * (1 + k)
         num_blocks = self._num_kv_blocks()
@@ -157,7 +157,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_sync_steps = 0  # launched synchronously (drafts, penalties, or overlap off)
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
-        self._num_penalized = 0  # live requests with penalties (they force synchronous steps)
+        # live requests whose sampler reads every output token on the host (penalties, bad
+        # words): they force synchronous steps
+        self._num_penalized = 0
         # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
         # so steps still run in order and each reads the next_tokens its predecessor wrote)
         self._worker = (
@@ -196,7 +198,7 @@ class LLMEngine:
             budget = int(cfg.kv_cache_memory_gb * 2**30)
         elif self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
+            budget = cfg.cuda_kv_budget(free, _total)  # gpu_memory_utilization's share
         else:
             budget = 2 * 2**30
         useful = (
@@ -220,6 +222,7 @@ class LLMEngine:
         so no other request is touched."""
         params = params or SamplingParams()
         params.validate()
+        params.resolve_bad_words(self.tokenizer, self.model_config.vocab_size)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -253,7 +256,7 @@ class LLMEngine:
                 params.min_tokens,
             )
         self.requests[request_id] = seq
-        self._num_penalized += params.has_penalties
+        self._num_penalized += params.reads_output_tokens
         self.scheduler.add(seq)
         if seq.is_finished:  # prompt too long: finish_reason prompt_length_exceeded
             self._terminal.append(seq)
@@ -271,7 +274,7 @@ class LLMEngine:
         """Drop a finished request whose final output has been handed out."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self._num_penalized -= seq.params.has_penalties
+            self._num_penalized -= seq.params.reads_output_tokens
             if self.drafter is not None:
                 self.drafter.release(seq)
         return seq

@@ -1,6 +1,6 @@
-"""From a step's logits to the verifier's host result: per-row sampling tensors, penalties
-(drafts before each verify row count as output tokens), min_tokens masking, verification and
-logprobs."""
+"""From a step's logits to the verifier's host result: per-row sampling tensors, logit bias /
+allowed ids / bad words and penalties (drafts before each verify row count as output tokens),
+min_tokens masking, verification and logprobs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import torch
 
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
+from specserve.ops.logits_processing import LogitsProcessing, apply_logits_processing
 from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
+from specserve.runner.logits_plan import plan_logits_processing
 from specserve.spec.layout import RowLayout, build_layout
 from specserve.spec.verify import VerifyResult, verify
 
@@ -46,6 +48,7 @@ class SamplerPlan(NamedTuple):
     forced: torch.Tensor | None  # [total_q] int64 golden tokens, -1 = none
     slots: torch.Tensor  # [R] int64, each request's slot (for next_tokens)
     num_logprobs: int | None  # top-N to compute, None = no request wants logprobs
+    processing: LogitsProcessing | None = None  # logit_bias / allowed_token_ids / bad_words
 
 
 class SampledStep:
@@ -159,6 +162,7 @@ class StepSampler:
             self._forced(seqs, drafts),
             h2d([s.slot for s in seqs], torch.int64, self.device),
             max(want) if want else None,
+            plan_logits_processing(seqs, drafts, self.device),
         )
 
     def execute(
@@ -168,8 +172,11 @@ class StepSampler:
         draft_probs: torch.Tensor | None = None,  # [total_q, V]
         next_tokens: torch.Tensor | None = None,  # [slots] int64
     ) -> SampledStep:
-        """The device part: penalties, min_tokens mask, verification, next_tokens, logprobs."""
+        """The device part: logit bias / allowed ids / bad words, penalties, min_tokens mask,
+        verification, next_tokens, logprobs (of the raw logits)."""
         proc = logits
+        if plan.processing is not None:
+            proc = apply_logits_processing(proc, plan.processing)
         if plan.penalties is not None:
             proc = apply_penalties(proc, *plan.penalties)
         if plan.min_tokens_mask is not None:
