@@ -30,6 +30,9 @@ class TokenOutput:
     text: str = ""  # text made visible by this token (may be empty while held back for stops)
     logprob: float | None = None
     top_logprobs: dict[int, Logprob] | None = None  # sampled token + top-N, when asked for
+    # prompt_logprobs requests, on the output of index 0 only: one entry per prompt token, None
+    # for the first, else {token: Logprob} of the prompt token (with its rank) and the top-N
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_output_tokens: int = 0  # cumulative, including this token
     finished: bool = False
     finish_reason: str | None = None
@@ -46,10 +49,13 @@ class TokenOutput:
         out.step = -1
         if self.top_logprobs is not None:
             out.top_logprobs = dict(self.top_logprobs)
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = list(self.prompt_logprobs)
         return out
 
     def _reset(self) -> None:
         self.token_id, self.text, self.logprob, self.top_logprobs = -1, "", None, None
+        self.prompt_logprobs = None
         self.finished, self.finish_reason, self.stop_reason = False, None, None
         self.is_anchor, self.draft_tok, self.accept_tok, self.draft_confidences = False, 0, 0, None
 
@@ -132,6 +138,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # as TokenOutput's
 
 
 @dataclass
@@ -148,10 +155,13 @@ class OutputAccumulator:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
     def add(self, out: TokenOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
         if out.token_id >= 0:
             self.token_ids.append(out.token_id)
             if out.logprob is not None:
@@ -180,4 +190,5 @@ class OutputAccumulator:
             [comp],
             self.finish_reason is not None,
             self.metrics,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -17,6 +17,7 @@ from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
+from specserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, score_prompt_rows
 
 
 class StepInputs(NamedTuple):
@@ -27,6 +28,7 @@ class StepInputs(NamedTuple):
     # [T] int64 slot whose next_tokens entry feeds the row (0: input_ids[r] as is). Read in
     # forward(), not when the inputs are built: the step in flight may not have written it yet.
     pending: torch.Tensor | None = None
+    prompt: PromptRows | None = None  # prompt rows to score (requests asking prompt_logprobs)
 
 
 def kv_bytes_per_block(
@@ -128,10 +130,26 @@ class ModelRunner:
     def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
         rows, tables, num_logits = [], [], []
         pending: np.ndarray | None = None
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        spans: list[tuple[PromptLogprobs, int, int]] = []
         offset = 0
         for seq, start, qlen, d, samples in zip(
             batch.seqs, batch.starts, batch.query_lens, batch.drafts, batch.samples
         ):
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                # this chunk feeds prompt rows that predict prompt tokens: score them
+                state = seq.prompt_logprobs_state
+                if state is None:
+                    state = PromptLogprobs(seq.params.prompt_logprobs, seq.prompt_token_ids)
+                    seq.prompt_logprobs_state = state
+                score = state.take_rows(start, qlen - len(d))
+                if score:
+                    prompt_rows.extend(
+                        range(offset + score.start - start, offset + score.stop - start)
+                    )
+                    prompt_targets.extend(seq.prompt_token_ids[score.start + 1 : score.stop + 1])
+                    spans.append((state, score.start, len(score)))
             toks = seq.token_ids[start : start + qlen - len(d)]
             if len(toks) < qlen - len(d):
                 # its anchor token was sampled by the step in flight: read it on the device
@@ -143,7 +161,15 @@ class ModelRunner:
             tables.append(seq.block_table.blocks)
             num_logits.append(1 + len(d) if samples else 0)
             offset += qlen
-        return self.prepare_rows(rows, batch.starts, tables, num_logits, pending)
+        prompt = None
+        if spans:
+            prompt = PromptRows(
+                h2d(prompt_rows, torch.int64, self.device),
+                h2d(prompt_targets, torch.int64, self.device),
+                max(state.num_top for state, _, _ in spans),
+                spans,
+            )
+        return self.prepare_rows(rows, batch.starts, tables, num_logits, pending, prompt)
 
     def prepare_rows(
         self,
@@ -152,10 +178,15 @@ class ModelRunner:
         tables: list[list[int]],
         num_logits: list[int],
         pending: np.ndarray | None = None,  # [T] int64: slot whose next token feeds the row, 0
+        prompt: PromptRows | None = None,
     ) -> StepInputs | BucketStep:
         """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
-        num_logits[i] rows."""
-        if self.graphs is not None and all(n == len(r) for n, r in zip(num_logits, rows)):
+        num_logits[i] rows; `prompt` rows are scored for prompt logprobs (eager steps only)."""
+        if (
+            self.graphs is not None
+            and prompt is None
+            and all(n == len(r) for n, r in zip(num_logits, rows))
+        ):
             step = self.graphs.prepare(rows, starts, tables, pending)
             if step is not None:
                 return step
@@ -200,7 +231,7 @@ class ModelRunner:
         ids = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=sum(qlens))
         lr = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
         src = t(pending) if pending is not None else None
-        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src)
+        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src, prompt)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:
@@ -211,6 +242,8 @@ class ModelRunner:
         if inputs.pending is not None:
             ids = torch.where(inputs.pending > 0, self.next_tokens[inputs.pending], ids)
         hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.ctx)
+        if inputs.prompt is not None:
+            score_prompt_rows(self.model.compute_logits, hidden, inputs.prompt)
         if inputs.logit_rows.numel() == 0:
             return hidden.new_zeros((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logit_rows])
