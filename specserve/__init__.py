@@ -1,8 +1,18 @@
 """specserve: speculative decoding with variable-length verification and an exact output ledger."""
 
+from specserve.engine.outputs import CompletionOutput, RequestOutput
+from specserve.inputs import TextPrompt, TokensPrompt
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "InvalidRequestError"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "InvalidRequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
 __version__ = "0.1.0"
 
 

@@ -71,16 +71,32 @@ class SpeculativeConfig:
         return cfg
 
 
+# dtype names an engine takes; vLLM's "half" and "float" are aliases of float16 / float32
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None
+    model: str | None = None  # HF folder, hub id in the local HF cache, .gguf, dummy:<preset>
+    tokenizer: str | None = None  # tokenizer folder or hub id; None: the model's own
+    revision: str | None = None  # hub ids: the branch, tag or commit in the HF cache (main)
+    trust_remote_code: bool = False  # accepted for vLLM scripts; no remote code ever runs
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
+    tensor_parallel_size: int = 1  # only 1: one device per engine
+    quantization: str | None = None  # only None: weights run in `dtype`
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_batched_tokens: int | None = None  # token budget of one step; None: picked by device
+    # False: every prompt fits one step (the step budget is raised to max_model_len, as vLLM)
+    enable_chunked_prefill: bool | None = None
     block_size: int = 16
-    kv_cache_memory_gb: float | None = None  # None: a share of free device memory / 2 GiB on CPU
+    # CUDA: the share of the device's total memory that may be in use once the KV cache is
+    # allocated (model, KV cache and whatever else holds memory on the device)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_memory_gb: float | None = None  # set: the KV cache size, overriding the share
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
@@ -91,3 +107,131 @@ class EngineConfig:
     # Overlap scheduling (ZOS): build step N+1 while the device runs step N, the ledger one
     # step late. None = on for CUDA without a host-side drafter; True forces it (CPU tests).
     overlap: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.dtype = _normalize_dtype(self.dtype)
+        self.device = str(self.device)
+        self.validate()
+
+    def validate(self) -> None:
+        """User errors in engine arguments, raised before anything is loaded."""
+
+        def bad(msg: str, param: str) -> None:
+            raise InvalidRequestError(msg, param)
+
+        if self.tensor_parallel_size != 1:
+            bad(
+                f"tensor_parallel_size > 1 is not supported yet (got {self.tensor_parallel_size}):"
+                " specserve runs one model on one device",
+                "tensor_parallel_size",
+            )
+        if self.quantization is not None:
+            bad(
+                f"quantization={self.quantization!r} is not supported: weights run in dtype "
+                "(GGUF files are dequantized on load)",
+                "quantization",
+            )
+        if self.dtype not in DTYPES:
+            bad(
+                f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}, half or float",
+                "dtype",
+            )
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            bad(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                "gpu_memory_utilization",
+            )
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            bad(
+                f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}",
+                "kv_cache_memory_gb",
+            )
+        for name in ("max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be at least 1, got {getattr(self, name)}", name)
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                bad(f"{name} must be at least 1, got {value}", name)
+        if (
+            self.enable_chunked_prefill is False
+            and self.max_num_batched_tokens is not None
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            bad(
+                _unchunked_msg(self.max_num_batched_tokens, self.max_model_len),
+                "max_num_batched_tokens",
+            )
+        _check_device(self.device)
+
+    def step_token_budget(self, device_type: str, max_model_len: int) -> int:
+        """Rows one step may hold (before the engine's floor of one decode row per request).
+        Without chunked prefill a whole prompt must fit one step, so the budget is at least
+        max_model_len (vLLM's rule; an explicit smaller budget is an error)."""
+        default = 8192 if device_type == "cuda" else 2048
+        if self.enable_chunked_prefill is False:
+            if self.max_num_batched_tokens is None:
+                return max(default, max_model_len)
+            if self.max_num_batched_tokens < max_model_len:
+                raise InvalidRequestError(
+                    _unchunked_msg(self.max_num_batched_tokens, max_model_len),
+                    "max_num_batched_tokens",
+                )
+        return self.max_num_batched_tokens or default
+
+    def cuda_kv_budget(self, free: int, total: int) -> int:
+        """Bytes the KV cache may take on a CUDA device with `free` of `total` bytes free now
+        (the model already loaded): after it, gpu_memory_utilization * total is in use, the rest
+        stays free for activations, CUDA graphs and other processes."""
+        in_use = total - free
+        budget = int(self.gpu_memory_utilization * total) - in_use
+        if budget <= 0:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no memory for the "
+                f"KV cache: {in_use / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB are "
+                "in use already (the model and other processes); raise it, or set "
+                "kv_cache_memory_gb",
+                "gpu_memory_utilization",
+            )
+        return budget
+
+
+def _unchunked_msg(budget: int, max_model_len: int) -> str:
+    return (
+        f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): "
+        "without chunked prefill a whole prompt must fit one step; raise max_num_batched_tokens, "
+        "lower max_model_len or enable chunked prefill"
+    )
+
+
+def _normalize_dtype(dtype: Any) -> str:
+    # a torch.dtype prints as "torch.float16"; str() keeps torch out of this module
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
+
+
+def _check_device(device: str) -> None:
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise InvalidRequestError(
+            f"unknown device {device!r}; use auto, cpu, cuda or cuda:N", "device"
+        )
+    if kind != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InvalidRequestError(
+            f"device {device!r} asked for, but CUDA is not available here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
+            "use --device cpu or auto",
+            "device",
+        )
+    if index and int(index) >= torch.cuda.device_count():
+        raise InvalidRequestError(
+            f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA "
+            "device(s) are visible",
+            "device",
+        )

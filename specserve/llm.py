@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
+from specserve.fanout import sample_params
+from specserve.inputs import EnginePrompt, PromptType, parse_prompts
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 
-PromptType = str | list[int]
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 class LLM:
@@ -27,36 +30,46 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
         progress: bool = True,
+        *,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        quantization: str | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        enable_chunked_prefill: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        cfg = EngineConfig(
+        for key in kwargs:
+            if key not in _CONFIG_FIELDS:
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        cfg = EngineConfig(  # validates every argument before anything is loaded
             model=model,
+            tokenizer=tokenizer,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
             dtype=dtype,
             device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            speculative_config=SpeculativeConfig.parse(speculative_config),
+            enable_chunked_prefill=enable_chunked_prefill,
+            gpu_memory_utilization=gpu_memory_utilization,
+            speculative_config=speculative_config,
             seed=seed,
+            **kwargs,
         )
-        for key, value in kwargs.items():
-            if not hasattr(cfg, key):
-                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
-            setattr(cfg, key, value)
         self.engine = LLMEngine(cfg, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
 
-    # -- helpers ----------------------------------------------------------------------------
-    @staticmethod
-    def _normalize(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, str):
-            return [prompts]
-        prompts = list(prompts)
-        if prompts and isinstance(prompts[0], int):
-            return [prompts]  # one prompt given as token ids
-        return prompts
+    def get_tokenizer(self) -> Any:
+        """The transformers tokenizer the engine encodes and decodes with (vLLM's API)."""
+        return self.tokenizer
 
+    # -- helpers ----------------------------------------------------------------------------
     @staticmethod
     def _params_list(
         params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -72,13 +85,27 @@ class LLM:
             )
         return params
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
-        # validate everything first: a bad prompt raises before any request is queued
+    def _add_all(
+        self, prompts: list[EnginePrompt], params: list[SamplingParams]
+    ) -> list[list[str]]:
+        """Queue every prompt's n samples; the engine request ids, grouped per prompt. Nothing
+        stays queued when any prompt is refused."""
         for p, sp in zip(prompts, params):
             sp.validate()
-            if (isinstance(p, str) and p == "") or (not isinstance(p, str) and len(p) == 0):
+            if len(p) == 0:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
-        return [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        groups: list[list[str]] = []
+        try:
+            for p, sp in zip(prompts, params):
+                groups.append([])
+                for sample in sample_params(sp):
+                    groups[-1].append(self.engine.add_request(p, sample).request_id)
+        except BaseException:
+            for rid in (rid for g in groups for rid in g):
+                self.engine.abort(rid)
+            self._drain_terminal()
+            raise
+        return groups
 
     # -- API --------------------------------------------------------------------------------
     def generate(
@@ -87,9 +114,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        plist = self._normalize(prompts)
+        """One RequestOutput per prompt, in order, holding its params' n CompletionOutputs."""
+        plist = parse_prompts(prompts)
         params = self._params_list(sampling_params, len(plist))
-        ids = self._add_all(plist, params)
+        groups = self._add_all(plist, params)
+        ids = [rid for g in groups for rid in g]
+        seqs = {rid: self.engine.requests[rid] for rid in ids}
         accs = {
             rid: OutputAccumulator(
                 rid,
@@ -98,11 +128,11 @@ class LLM:
                 seq.params.logprobs is not None,
                 RequestMetrics(seq.arrival_time, num_prompt_tokens=seq.num_prompt_tokens),
             )
-            for rid in ids
-            for seq in [self.engine.requests[rid]]
+            for rid, seq in seqs.items()
         }
-        seqs = {rid: self.engine.requests[rid] for rid in ids}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="req")
+        left = {rid: len(g) for g in groups for rid in g[:1]}  # unfinished samples per prompt
+        group_of = {rid: g[0] for g in groups for rid in g}
         pending = set(ids)
         try:
             while pending:
@@ -113,7 +143,9 @@ class LLM:
                     acc.add(out)
                     if out.finished:
                         pending.discard(out.request_id)
-                        bar.update(1)
+                        head = group_of[out.request_id]
+                        left[head] -= 1
+                        bar.update(left[head] == 0)
         except BaseException:
             for rid in pending:
                 self.engine.abort(rid)
@@ -121,8 +153,16 @@ class LLM:
         finally:
             bar.close()
             self.engine.release_outputs()  # everything was copied into the accumulators
+        return [self._group_result(g, seqs, accs) for g in groups]
+
+    @staticmethod
+    def _group_result(
+        group: list[str], seqs: dict[str, Any], accs: dict[str, OutputAccumulator]
+    ) -> RequestOutput:
+        """A prompt's samples as one RequestOutput (vLLM's shape): its first sample's request
+        id, prompt fields and metrics, with the token and draft counts summed over samples."""
         results = []
-        for rid in ids:
+        for rid in group:
             seq = seqs[rid]
             m = accs[rid].metrics
             m.first_token_time, m.finished_time = seq.first_token_time, seq.finished_time
@@ -133,7 +173,27 @@ class LLM:
             m.num_draft_tokens = seq.spec.num_draft_tokens
             m.num_accepted_tokens = seq.spec.num_accepted_tokens
             results.append(accs[rid].result())
-        return results
+        head = results[0]
+        if len(results) == 1:
+            return head
+        metrics = dataclasses.replace(head.metrics)
+        ms = [r.metrics for r in results]
+        firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
+        lasts = [m.finished_time for m in ms if m.finished_time is not None]
+        metrics.first_token_time = min(firsts) if firsts else None
+        metrics.finished_time = max(lasts) if lasts else None
+        for name in (
+            "num_output_tokens",
+            "num_preemptions",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+        ):
+            setattr(metrics, name, sum(getattr(m, name) for m in ms))
+        outputs = [dataclasses.replace(r.outputs[0], index=i) for i, r in enumerate(results)]
+        return dataclasses.replace(
+            head, outputs=outputs, finished=all(r.finished for r in results), metrics=metrics
+        )
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -162,9 +222,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[TokenOutput]:
         """Yield the per-token outputs of all these requests as they land (copies: keep them
-        as long as you like). Closing the iterator aborts what is unfinished."""
-        plist = self._normalize(prompts)
-        ids = self._add_all(plist, self._params_list(sampling_params, len(plist)))
+        as long as you like). Closing the iterator aborts what is unfinished. A TokenOutput
+        names its request only, so n > 1 is refused here: use generate() for n samples."""
+        plist = parse_prompts(prompts)
+        params = self._params_list(sampling_params, len(plist))
+        if any(sp.n > 1 for sp in params):
+            raise InvalidRequestError(
+                "LLM.stream yields one sequence per prompt: n > 1 needs LLM.generate", "n"
+            )
+        ids = [rid for g in self._add_all(plist, params) for rid in g]
         pending = set(ids)
         try:
             while pending:

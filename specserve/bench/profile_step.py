@@ -23,8 +23,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -53,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _kernel_totals(prof: Any) -> tuple[dict[str, float], dict[str, int]]:
+    import torch
+
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for ev in prof.events():
@@ -65,6 +65,7 @@ def _kernel_totals(prof: Any) -> tuple[dict[str, float], dict[str, int]]:
 
 def run_workload(args: argparse.Namespace) -> int:
     """A whole offline run under the profiler plus the step timeline (decode vs other steps)."""
+    import torch  # here, not at the top: `specserve --help` builds this parser without torch
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import LLM, SamplingParams
@@ -148,6 +149,7 @@ def run_workload(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.workload:
         return run_workload(args)
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import LLM, SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specserve.bench import hf_baseline
@@ -64,6 +64,8 @@ class ThroughputSettings:
     input_len_min: int | None = None  # random dataset: lengths uniform in [min, input_len]
     json_path: str | None = None
     plot_path: str | None = None
+    # further LLM(...) arguments (the CLI's engine flags: tokenizer, gpu_memory_utilization, ...)
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
@@ -253,6 +255,7 @@ def make_llm(s: ThroughputSettings) -> Any:
         kwargs["enable_prefix_caching"] = False
     if s.enforce_eager:
         kwargs["enforce_eager"] = True
+    kwargs.update(s.engine_args)
     return LLM(**kwargs)
 
 

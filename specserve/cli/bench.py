@@ -7,6 +7,7 @@ top-level parser stays instant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -85,9 +86,38 @@ def _add_subcommands(sub: Any) -> None:
     try:
         from specserve.bench.serve import add_serve_bench
 
-        add_serve_bench(sub)
+        add_serve_bench(sub).set_defaults(func=cmd_bench_serve)
     except ImportError:  # pragma: no cover - server extras missing
         pass
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """`bench serve`, with a server that cannot be reached (or refuses) as one line, not a
+    traceback."""
+    import httpx
+
+    from specserve.bench.serve import cmd_serve_bench
+
+    url = args.base_url.rstrip("/")
+    try:
+        if not args.ready_timeout:
+            # before the dataset is built (ShareGPT takes a while): any HTTP answer will do
+            httpx.get(f"{url}/health", timeout=10.0)
+        return cmd_serve_bench(args)
+    except httpx.HTTPStatusError as e:
+        print(
+            f"error: {e.request.url} answered {e.response.status_code}: "
+            f"{e.response.text.strip()[:200]}",
+            file=sys.stderr,
+        )
+    except httpx.TransportError as e:
+        print(
+            f"error: no server answers at {url} ({type(e).__name__}: {e or 'no detail'}); "
+            "start one with `specserve serve`, or pass --base-url (--ready-timeout waits for "
+            "one still loading)",
+            file=sys.stderr,
+        )
+    return 1
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -100,7 +130,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Any:
     from specserve.bench.throughput import ThroughputSettings
+    from specserve.cli.main import engine_kwargs
+    from specserve.config import EngineConfig
 
+    # engine flags ThroughputSettings has no field of its own for go to LLM(...) when set
+    own = {f.name for f in dataclasses.fields(ThroughputSettings)}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    engine_args = {
+        k: v for k, v in engine_kwargs(args).items() if k not in own and v != defaults.get(k)
+    }
     spec = args.speculative_config
     if isinstance(spec, str):
         try:
@@ -130,6 +168,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         input_len_min=args.input_len_min,
         json_path=args.json_path,
         plot_path=args.plot_path,
+        engine_args=engine_args,
     )
 
 
@@ -137,7 +176,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "throughput":
         from specserve.bench.throughput import run_throughput
 
-        run_throughput(settings_from_args(args))
+        try:
+            settings = settings_from_args(args)
+        except ValueError as e:  # ThroughputSettings' own checks
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        run_throughput(settings)
         if args.json_path:
             print(f"report written to {args.json_path}", file=sys.stderr)
         if args.plot_path:

@@ -5,31 +5,96 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
+
+DTYPE_CHOICES = ("auto", "half", "float16", "fp16", "bfloat16", "bf16", "float", "float32", "fp32")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    """The engine's arguments (vLLM's names), shared by generate, chat, serve and bench."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
         "--model",
         default=None,
-        help="HF dir, .gguf file or dummy:<preset>; default SmolLM2-135M-Instruct",
+        help="HF model folder, hub id in the local HF cache (org/name), .gguf file or "
+        "dummy:<preset>; default SmolLM2-135M-Instruct",
     )
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument(
+    g.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)"
+    )
+    g.add_argument(
+        "--revision",
+        default=None,
+        help="hub ids: branch, tag or commit of the snapshot in the HF cache (default: main)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM scripts; specserve never runs a model's own code",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU; half = float16)",
+    )
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="devices per model: only 1 (one device per engine)",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="not supported: weights run in --dtype (GGUF files are dequantized on load)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's context length)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token rows in one step (default 8192 on CUDA, 2048 on CPU)",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts over steps (default on); off: the step budget is raised to "
+        "max-model-len so a prompt fits one step",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: share of the device's memory in use once the KV cache is allocated "
+        "(model + KV cache + others; default 0.9)",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    g.add_argument(
+        "--seed", type=int, default=0, help="engine seed: unseeded requests draw theirs from it"
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="CUDA: run decode/verify steps without CUDA graphs (no capture at start-up)",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -39,21 +104,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability"
+    )
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
+# engine arguments whose flag default (None) means "the engine's default"
+_UNSET_IS_DEFAULT = ("gpu_memory_utilization", "enable_chunked_prefill")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) / EngineConfig(...) keyword arguments from the engine flags."""
+    kw = dict(
         model=args.model,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        trust_remote_code=args.trust_remote_code,
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -62,6 +142,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         overlap=args.overlap,
     )
+    for name in _UNSET_IS_DEFAULT:
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return kw
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The validated EngineConfig of the engine flags (InvalidRequestError on a bad one, before
+    any model is loaded)."""
+    from specserve.config import EngineConfig
+
+    return EngineConfig(**{**engine_kwargs(args), **overrides})
 
 
 def sampling_params(args: argparse.Namespace):
@@ -94,15 +186,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specserve import LLM
 
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"error: cannot read --file {args.file}: {e}", file=sys.stderr)
+            return 2
     elif args.prompt:
         prompts = [args.prompt]
     else:
         print("error: give a prompt or --file", file=sys.stderr)
         return 2
+    params = sampling_params(args)  # a bad flag fails here, before the model loads
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
     use_template = not args.no_chat_template and getattr(llm.tokenizer, "chat_template", None)
     inputs = [
         llm.apply_chat_template([{"role": "user", "content": p}]) if use_template else p
@@ -132,8 +228,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from specserve import LLM
 
+    params = sampling_params(args)  # a bad flag fails here, before the model loads
     llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -157,19 +253,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specserve import __version__
+
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from a prompt (or a file, one prompt a line)")
-    g.add_argument("prompt", nargs="?", default=None)
-    g.add_argument("--file", default=None)
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    g.add_argument("--file", default=None, help="a text file with one prompt per line")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive streaming chat")
-    c.add_argument("--system", default=None)
+    c.add_argument("--system", default=None, help="system message that opens the chat")
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)

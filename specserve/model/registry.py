@@ -13,6 +13,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
+SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -17,6 +17,7 @@ from specserve.model.loader.common import (
     fill_weights,
     load_tokenizer,
 )
+from specserve.model.registry import SUPPORTED_ARCHITECTURES
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -31,7 +32,22 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path} is a directory without config.json; not a HF model folder")
     gen_path = path / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else None
-    return ModelConfig.from_hf(read_json(path / "config.json"), gen)
+    raw = read_json(path / "config.json")
+    _refuse_remote_code(raw, path)
+    return ModelConfig.from_hf(raw, gen)
+
+
+def _refuse_remote_code(raw: dict[str, Any], path: Path) -> None:
+    """A config whose architecture lives in the repository's own Python (`auto_map`) would need
+    trust_remote_code in transformers; specserve runs no remote code, whatever the flag says."""
+    archs = raw.get("architectures") or []
+    if "auto_map" in raw and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelLoadError(
+            f"{path}: architecture {archs[0] if archs else '?'!r} is defined by the model's own "
+            "code (config.json has auto_map); specserve never runs remote code "
+            "(trust_remote_code is accepted but changes nothing) and runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
 def safetensors_files(path: Path) -> list[Path]:
