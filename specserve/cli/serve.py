@@ -28,7 +28,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("SPECSERVE_API_KEY"),
@@ -43,33 +43,36 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="step",
         help="SSE chunks: one per engine step (all tokens it landed) or one per token",
     )
-    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--max-request-bytes", type=int, default=8 * 2**20, help="largest request body (8 MiB)"
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size in GiB (default: from --gpu-memory-utilization; 2 GiB on CPU)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="server log level",
+    )
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specserve.config import EngineConfig, SpeculativeConfig
+    from specserve.cli.main import engine_config
     from specserve.engine.llm_engine import LLMEngine
     from specserve.server.launch import ServerOptions, run_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
         return 2
-    config = EngineConfig(
-        model=args.model_tag or args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        speculative_config=SpeculativeConfig.parse(args.speculative_config),
-        seed=args.seed,
-        enforce_eager=getattr(args, "enforce_eager", False),
-        overlap=getattr(args, "overlap", None),
+    # every engine flag, validated before the model loads
+    config = engine_config(
+        args, model=args.model_tag or args.model, kv_cache_memory_gb=args.kv_cache_memory_gb
     )
     engine = LLMEngine(config)
     opts = ServerOptions(
