@@ -22,6 +22,9 @@ _MODEL_TYPE_TO_ARCH = {
 }
 # "freq_factors" is specserve's own: per-frequency divisors, as GGUF stores Llama 3.1 scaling.
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "freq_factors")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_HF_DEFAULT_WINDOW = 4096
+_HF_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass
@@ -44,6 +47,11 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention: a query at position i sees keys j with i - W < j <= i (HF's
+    # mask). `sliding_window` None = every layer attends to its whole context; else the layers
+    # marked "sliding_attention" in `layer_types` (None: all of them) use the window.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -58,6 +66,33 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window={self.sliding_window} must be >= 1")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ModelLoadError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            bad = sorted(set(self.layer_types) - set(_LAYER_TYPES))
+            if bad:
+                raise ModelLoadError(
+                    f"unsupported layer_types {bad}; supported: {', '.join(_LAYER_TYPES)}"
+                )
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of this layer sees, itself included; 0 = its whole context."""
+        if self.sliding_window is None:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
+    @property
+    def max_window(self) -> int:
+        """The widest window over the layers; 0 when some layer sees its whole context."""
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        return 0 if 0 in windows else max(windows, default=0)
 
     @property
     def q_size(self) -> int:
@@ -82,12 +117,15 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             head_dim = cfg.get("head_dim") or hidden // heads
             theta, scaling = _rope(cfg)
+            vocab, inter = int(cfg["vocab_size"]), int(cfg["intermediate_size"])
+            layers = int(cfg["num_hidden_layers"])
+            window, layer_types = _sliding_window(arch, cfg, layers)
             return cls(
                 architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=vocab,
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=inter,
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -101,6 +139,8 @@ class ModelConfig:
                 qk_norm=arch == "Qwen3ForCausalLM",
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_eos_ids(cfg, generation_config),
+                sliding_window=window,
+                layer_types=layer_types,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -132,6 +172,32 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return float(theta), None
     return float(theta), {**scaling, "rope_type": rope_type}
+
+
+def _sliding_window(
+    arch: str, cfg: dict[str, Any], num_layers: int
+) -> tuple[int | None, list[str] | None]:
+    """(window, layer_types) as transformers' modeling code reads them, per architecture.
+
+    Llama: never windowed (LlamaAttention has no sliding window). Mistral: `sliding_window` on
+    every layer (its modeling ignores `layer_types`). Qwen2/Qwen3: the window only with
+    `use_sliding_window`, on the layers `layer_types` marks; without `layer_types`, HF derives
+    them: layer i slides when i >= max_window_layers.
+    """
+    if arch == "LlamaForCausalLM":
+        return None, None
+    # An absent key takes the config class's default (4096 in MistralConfig and Qwen2Config
+    # alike, 4.x and 5.x); only an explicit null turns the window off.
+    window = cfg.get("sliding_window", _HF_DEFAULT_WINDOW)
+    if arch == "MistralForCausalLM":
+        return (None if window is None else int(window)), None
+    if not cfg.get("use_sliding_window", False) or window is None:
+        return None, None
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", _HF_DEFAULT_MAX_WINDOW_LAYERS))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return int(window), list(types)
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any] | None) -> list[int]:

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of rows.
 
 One class covers the four families; they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), rope scaling and tied embeddings. q/k/v and gate/up are fused into single matmuls: on a
+(Qwen3), rope scaling, tied embeddings and sliding-window attention (Mistral, Qwen2/3: a window
+per layer, see ModelConfig.layer_window). q/k/v and gate/up are fused into single matmuls: on a
 small CPU, batch-1 decode is bound by weight bandwidth plus a fixed cost per op, so fewer ops help.
 """
 
@@ -21,8 +22,10 @@ from specserve.ops.fused import rope_, rope_write_kv_
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        # keys each query sees (itself included); 0 = the whole context
+        self.window = config.layer_window(layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -61,15 +64,15 @@ class Attention(nn.Module):
             # the fused path (q, rotated in place, is then a strided view of qkv).
             heads = qkv.view(t, h + 2 * hkv, d)
             q = rope_write_kv_(heads, h, cos_sin, cache, ctx.slot_mapping, all_valid)
-        o = paged_attention(q, cache, ctx, self.scale)  # [T, H, D]
+        o = paged_attention(q, cache, ctx, self.scale, self.window)  # [T, H, D]
         return self.o_proj(o.view(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
@@ -111,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None
         if not config.tie_word_embeddings:

@@ -1,13 +1,15 @@
 """Reference paged attention in plain torch: the CPU path, and the oracle for GPU kernels.
 
 Layout (see ForwardContext): the flat batch holds each request's rows back to back; row j of
-request i is KV position context_lens[i] - query_lens[i] + j, and sees positions <= itself.
+request i is KV position context_lens[i] - query_lens[i] + j, and sees positions <= itself; with
+a sliding window W > 0 only the W newest of them (p - W < key <= p, HF's mask). Keys older than
+every row's window are never gathered, so their blocks may hold anything (freed and reused).
 
 Strategy, chosen for a small CPU where every op costs host time:
   * requests with few rows (decode: 1, verify: 1 + drafts) go through ONE padded gather + SDPA;
   * requests with long rows (prefill chunks) run one SDPA each, padding them would waste work;
-  * the gather indices and masks depend only on the context, so they are built once per forward
-    and reused by every layer (cached on the ctx object).
+  * the gather indices and masks depend only on the context and the window, so they are built
+    once per forward and window and reused by every layer (cached on the ctx object).
 Shapes come from the host lists on ctx, so nothing here waits on the device.
 """
 
@@ -94,12 +96,13 @@ def slots_all_valid(slot_mapping: torch.Tensor) -> bool:
 
 @dataclass
 class _ShortGroup:
-    """Requests with few rows, padded to [B, Qm] queries and [B, Lm] keys."""
+    """Requests with few rows, padded to [B, Qm] queries and [B, Lm] keys: request i's keys are
+    positions [lo_i, lo_i + Lm), lo_i = 0 without a window."""
 
     num_reqs: int
     max_q: int
     q_index: torch.Tensor | None  # [B * Qm] rows of q to gather; None = q[:B*Qm] as is
-    kv_slots: torch.Tensor  # [B * Lm] cache slots; positions past a context repeat its slot 0
+    kv_slots: torch.Tensor  # [B * Lm] cache slots; positions past a context repeat its lo_i
     max_kv: int
     mask: torch.Tensor | None  # [B, 1, Qm, Lm] bool, True = attend; None = attend to all
     out_src: torch.Tensor | None  # [N] rows of the padded output that are real
@@ -114,8 +117,8 @@ class _LongRequest:
 
     row_start: int
     row_end: int
-    kv_slots: torch.Tensor  # [context_len] cache slots
-    mask: torch.Tensor | None  # [query_len, context_len] bool; None = square causal
+    kv_slots: torch.Tensor  # [context_len - lo] cache slots of positions [lo, context_len)
+    mask: torch.Tensor | None  # [query_len, context_len - lo] bool; None = square causal
 
 
 @dataclass
@@ -133,11 +136,16 @@ def _host_lens(ctx: ForwardContext) -> tuple[list[int], list[int]]:
 
 def _slots_for(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
-    positions: torch.Tensor,  # [L] int64
+    positions: torch.Tensor,  # [B, L] int64
     block_size: int,
 ) -> torch.Tensor:  # [B, L] int64
-    blocks = block_tables[:, positions // block_size].long()
+    blocks = block_tables.gather(1, positions // block_size).long()
     return blocks * block_size + positions % block_size
+
+
+def _first_key(q_len: int, c_len: int, window: int) -> int:
+    """Oldest position any of the request's rows sees: its first row's window start."""
+    return max(0, c_len - q_len - window + 1) if window else 0
 
 
 def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -155,13 +163,16 @@ def _short_group(
     starts: list[int],
     block_tables: torch.Tensor,
     block_size: int,
+    window: int,
     device: torch.device,
 ) -> _ShortGroup:
     b = len(short_ids)
     qm = max(q_lens[i] for i in short_ids)
-    lm = max(c_lens[i] for i in short_ids)
     sq = [q_lens[i] for i in short_ids]
     sc = [c_lens[i] for i in short_ids]
+    lo = [_first_key(q_lens[i], c_lens[i], window) for i in short_ids]
+    spans = [c - first for c, first in zip(sc, lo)]
+    lm = max(spans)
     uniform = all(q == qm for q in sq)
     contiguous = all(starts[i] == n * qm for n, i in enumerate(short_ids))
     as_is = uniform and contiguous
@@ -175,24 +186,29 @@ def _short_group(
                 if j < q_lens[i]:
                     src.append(n * qm + j)
                     dst.append(starts[i] + j)
-    ids, ctx_len, q_len, q_index, out_src, out_dst = _to_device(
-        [short_ids, sc, sq, q_rows, src, dst], device
+    ids, ctx_len, q_len, first, q_index, out_src, out_dst = _to_device(
+        [short_ids, sc, sq, lo, q_rows, src, dst], device
     )
     if as_is:
         q_index = out_src = out_dst = None
-    pos = torch.arange(lm, device=device)  # [Lm]
-    slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
-    # Keys past a request's context repeat its first slot: always written, so never garbage
+    pos = first[:, None] + torch.arange(lm, device=device)[None, :]  # [B, Lm] key positions
+    # Keys past a request's context repeat its first key: always written, so never garbage
     # (NaN in unwritten cache memory would poison the masked product).
-    slots = torch.where(pos[None, :] < ctx_len[:, None], slots, slots[:, :1])
+    pos = torch.where(pos < ctx_len[:, None], pos, first[:, None])
+    slots = _slots_for(block_tables[ids], pos, block_size)  # [B, Lm]
 
     mask = None
-    single_full = all(q == 1 for q in sq) and all(c == lm for c in sc)
+    # One row per request that sees exactly its Lm keys (with a window: the last W) needs none.
+    single_full = all(q == 1 for q in sq) and all(n == lm for n in spans)
     if not single_full:
         j = torch.arange(qm, device=device)
         # Padded rows (j >= q_len) act as the last real row: finite softmax, output dropped.
         q_pos = ctx_len[:, None] - q_len[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
-        mask = (pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Qm, Lm]
+        k_pos = first[:, None] + torch.arange(lm, device=device)[None, :]  # [B, Lm] unclamped
+        mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, Qm, Lm]
+        if window:
+            mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+        mask = mask[:, None]  # [B, 1, Qm, Lm]
     return _ShortGroup(b, qm, q_index, slots.reshape(-1), lm, mask, out_src, out_dst)
 
 
@@ -210,7 +226,7 @@ def _group_by_context(ids: list[int], c_lens: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
+def _build_plan(ctx: ForwardContext, block_size: int, window: int, device: torch.device) -> _Plan:
     q_lens, c_lens = _host_lens(ctx)
     starts = [0] * len(q_lens)
     for i in range(1, len(q_lens)):
@@ -223,29 +239,34 @@ def _build_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _
     long: list[_LongRequest] = []
     for i in long_ids:
         q_len, c_len = q_lens[i], c_lens[i]
-        pos = torch.arange(c_len, device=device)
-        slots = _slots_for(block_tables[i : i + 1], pos, block_size)[0]
+        lo = _first_key(q_len, c_len, window)
+        pos = torch.arange(lo, c_len, device=device)
+        slots = _slots_for(block_tables[i : i + 1], pos[None], block_size)[0]
         mask = None
-        if q_len != c_len:
-            # Row j is position c_len - q_len + j and sees keys up to it.
-            q_pos = torch.arange(c_len - q_len, c_len, device=device)
-            mask = pos[None, :] <= q_pos[:, None]
+        if q_len != c_len - lo or window:
+            # Row j is position c_len - q_len + j and sees keys up to it (and within the window).
+            q_pos = torch.arange(c_len - q_len, c_len, device=device)[:, None]
+            mask = pos[None, :] <= q_pos
+            if window:
+                mask &= pos[None, :] > q_pos - window
         long.append(_LongRequest(starts[i], starts[i] + q_len, slots, mask))
 
-    # requests of similar context length share a padded group: padding every decode row to the
+    # requests of similar key spans share a padded group: padding every decode row to the
     # longest context of a mixed batch would read (and copy) far more KV than exists
+    spans = [c - _first_key(q, c, window) for q, c in zip(q_lens, c_lens)]
     short = [
-        _short_group(g, q_lens, c_lens, starts, block_tables, block_size, device)
-        for g in _group_by_context(short_ids, c_lens)
+        _short_group(g, q_lens, c_lens, starts, block_tables, block_size, window, device)
+        for g in _group_by_context(short_ids, spans)
     ]
     return _Plan(num_rows, short, long)
 
 
-def _get_plan(ctx: ForwardContext, block_size: int, device: torch.device) -> _Plan:
-    plan = ctx.__dict__.get(_PLAN_ATTR)
+def _get_plan(ctx: ForwardContext, block_size: int, window: int, device: torch.device) -> _Plan:
+    plans = ctx.__dict__.setdefault(_PLAN_ATTR, {})  # window -> plan
+    plan = plans.get(window)
     if plan is None:
-        plan = _build_plan(ctx, block_size, device)
-        ctx.__dict__[_PLAN_ATTR] = plan
+        plan = _build_plan(ctx, block_size, window, device)
+        plans[window] = plan
     return plan
 
 
@@ -289,18 +310,20 @@ def paged_attention(
     cache: KVCache,
     ctx: ForwardContext,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each request's rows over its paged context (GQA: H % Hkv == 0).
+    """Causal attention of each request's rows over its paged context (GQA: H % Hkv == 0);
+    `window` > 0: each row sees only its `window` newest positions, itself included.
 
     Rows past the last request (padding) come back as zeros. The index plan derived from ctx is
     cached on the ctx object by the first layer's call: treat a ForwardContext as immutable and
     build a new one per forward.
     """
     if use_triton(q.device) and q.shape[-1] >= 16:  # tl.dot needs K >= 16
-        return paged_attention_triton(q, cache, ctx, scale)
+        return paged_attention_triton(q, cache, ctx, scale, window=window)
     t, h, d = q.shape
     hkv = cache.k.shape[2]
-    plan = _get_plan(ctx, cache.block_size, q.device)
+    plan = _get_plan(ctx, cache.block_size, window, q.device)
     groups = plan.short
     if len(groups) == 1 and not plan.long and groups[0].out_dst is None and plan.num_rows == t:
         # Pure decode / uniform verify: the padded output is the answer, no scatter needed.

@@ -9,7 +9,8 @@ only uses shapes and the Python ints ctx.max_query_len / ctx.max_context_len.
 CUDA graphs. The launch depends on these host values only:
   * tensor shapes: q [T, H, D], the cache, ctx.query_lens [B] (B = requests, incl. padding ones);
   * ctx.max_query_len -> the query-tile grid dimension and the tile config;
-  * ctx.max_context_len and the grid size -> the split-KV count (or pass `num_splits`).
+  * ctx.max_context_len (bounded by the window, if any) and the grid size -> the split-KV count
+    (or pass `num_splits`); the window itself is fixed per layer, so a graph captures it.
 So a captured graph must be replayed with the same T and B buffers, and the capture must use
 ctx.max_query_len = the bucket's largest query_len (1 for plain decode, 1 + max drafts for
 verify) and ctx.max_context_len = a fixed bound (e.g. max_model_len), or an explicit num_splits.
@@ -155,6 +156,12 @@ def choose_num_splits(num_programs: int, max_context_len: int, device: torch.dev
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+def key_bound(max_context_len: int, window: int, block_q: int) -> int:
+    """Most keys one query tile reads: a windowed tile's block_q rows see at most
+    window + block_q - 1 keys, however long the context."""
+    return min(max_context_len, window + block_q - 1) if window else max_context_len
+
+
 # Split-KV tile counters per device. They are zero between launches (the last program of each
 # tile resets its own), so a launch never clears them. They only grow: a CUDA graph keeps the
 # address it captured, so every buffer handed out stays alive.
@@ -174,10 +181,12 @@ def paged_attention_triton(
     ctx: ForwardContext,
     scale: float,
     *,
+    window: int = 0,
     num_splits: int | None = None,
     config: TileConfig | None = None,
 ) -> torch.Tensor:  # [T, H, D] in q's dtype
-    """Causal attention of each request's rows over its paged context, GQA (H % Hkv == 0).
+    """Causal attention of each request's rows over its paged context, GQA (H % Hkv == 0);
+    `window` > 0: each row sees only its `window` newest positions (sliding window).
 
     Same contract as `specserve.ops.attention.paged_attention`; rows past the last request
     come back as zeros. `num_splits` / `config` override the heuristics (tests, benchmarks,
@@ -198,7 +207,8 @@ def paged_attention_triton(
         ctx.max_query_len, group, d, cache.k.element_size(), grid_is_wide(b * hkv, q.device)
     )
     num_tiles = max(1, math.ceil(ctx.max_query_len / cfg.block_q))
-    splits = num_splits or choose_num_splits(num_tiles * b * hkv, ctx.max_context_len, q.device)
+    max_keys = key_bound(ctx.max_context_len, window, cfg.block_q)
+    splits = num_splits or choose_num_splits(num_tiles * b * hkv, max_keys, q.device)
     if splits > 1:
         o_part = torch.empty(splits, t, h, d, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(splits, t, h, device=q.device, dtype=torch.float32)
@@ -209,13 +219,14 @@ def paged_attention_triton(
     _kernels()._paged_attention_kernel[(num_tiles * splits, b, hkv)](
         q, cache.k, cache.v, out, o_part, lse_part, counters,
         ctx.query_lens, ctx.cu_query_lens, ctx.context_lens, ctx.block_tables,
-        b, t, h, scale * _LOG2E,
+        b, t, h, scale * _LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.v.stride(0), cache.v.stride(1), cache.v.stride(2),
         ctx.block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_P2=_pow2(d), PAGE=page,
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+        SLIDING=window > 0,
         # fp32 caches get true fp32 products (tf32 would cost ~3e-4 relative error)
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -11,6 +11,9 @@ Paged attention work decomposition (one launch for decode, verify and prefill ro
     once per KV head instead of once per query head;
   * a program walks the keys [0, last visible + 1) of its rows, unmasked up to the first row's
     own position (every row sees those) and masked after it (causal within the request);
+  * with a sliding window W (SLIDING) the walk starts at the first row's oldest key
+    (first position - W + 1): keys older than every row's window are never loaded, so their
+    blocks may have been freed. Keys the last row's window has dropped are masked too;
   * with NUM_SPLITS > 1 (few programs, long contexts: batch-1 decode) the key range is cut in
     up to NUM_SPLITS chunks of whole BLOCK_N steps (flash-decoding). Only the chunks that hold
     keys run ("live" splits: the grid is sized for a static bound, the context is often far
@@ -84,11 +87,13 @@ def _attend_keys(
     stride_vb,
     stride_vs,
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys each row sees (SLIDING only)
     d,  # [HEAD_DIM_P2] arange
     d_ok,  # [HEAD_DIM_P2] d < HEAD_DIM
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -106,6 +111,8 @@ def _attend_keys(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     # m_i starts finite (-1e30), so a row with every key masked so far keeps p = 0, alpha = 1
     # instead of exp2(-inf - -inf) = NaN.
@@ -122,7 +129,7 @@ def _attend_keys(
 # Arguments that change from step to step are not specialised on (Triton compiles a variant per
 # "== 1" / "divisible by 16" class of each int): a new class mid-run meant a ~0.3 s compile inside
 # a timed step (the 256-request H200 run lost ~2 s to them).
-@triton.jit(do_not_specialize=["num_reqs", "num_rows", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "num_rows", "stride_bt", "window"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]
@@ -139,6 +146,7 @@ def _paged_attention_kernel(
     num_rows,  # T
     num_heads,  # H
     qk_scale,
+    window,  # sliding window (keys each row sees, itself included); read when SLIDING
     stride_qt,
     stride_qh,
     stride_ot,
@@ -158,6 +166,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP rounded up to a power of two (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # keys per step
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,  # window > 0
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0) // NUM_SPLITS
@@ -200,14 +209,24 @@ def _paged_attention_kernel(
 
     first_pos = ctx_len - q_len + tile * BLOCK_Q  # keys <= first_pos are visible to every row
     kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)  # past the tile's last visible key
-    # This split's key chunk, in whole BLOCK_N steps; with one split it is [0, kv_end).
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    live = tl.cdiv(kv_end, chunk)  # splits that hold keys; the rest have nothing to do
+    kv_start = 0  # the tile's oldest visible key
+    win_full = 0  # keys >= win_full are inside every row's window
+    if SLIDING:
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+        win_full = tl.maximum(kv_end - window, 0)
+    # This split's key chunk, in whole BLOCK_N steps; with one split it is [kv_start, kv_end).
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(kv_end - kv_start, chunk)  # splits that hold keys; the rest have none
     if split >= live:
         return
-    lo = split * chunk
+    lo = kv_start + split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
-    full_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    # [lo, head_end): keys some row's window has dropped (masked; empty without a window),
+    # [head_end, full_end): whole steps every row sees, [full_end, hi): the causal edge.
+    head_end = tl.minimum(lo + tl.cdiv(tl.maximum(win_full - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    full_end = head_end + (
+        tl.maximum(tl.minimum(hi, first_pos + 1) - head_end, 0) // BLOCK_N * BLOCK_N
+    )
 
     bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kvh * stride_kh
@@ -215,17 +234,24 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(lo, full_end, BLOCK_N):
+    if SLIDING:
+        for start in range(lo, head_end, BLOCK_N):
+            acc, m_i, l_i = _attend_keys(
+                acc, m_i, l_i, q, q_pos, start, hi, bt_row_ptr, k_head_ptr, v_head_ptr,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, d, d_ok,
+                PAGE, BLOCK_N, True, SLIDING, DOT_PRECISION,
+            )  # fmt: skip
+    for start in range(head_end, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, start, hi, bt_row_ptr, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-            PAGE, BLOCK_N, False, DOT_PRECISION,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, d, d_ok,
+            PAGE, BLOCK_N, False, SLIDING, DOT_PRECISION,
         )  # fmt: skip
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, start, hi, bt_row_ptr, k_head_ptr, v_head_ptr,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, d, d_ok,
-            PAGE, BLOCK_N, True, DOT_PRECISION,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, d, d_ok,
+            PAGE, BLOCK_N, True, SLIDING, DOT_PRECISION,
         )  # fmt: skip
 
     # l_i is 0 only for tile rows that are not real, or rows that see no key of this split.

@@ -13,12 +13,13 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
 
 from specserve.model.forward_context import ForwardContext, KVCache
-from specserve.ops import triton_attention
+from specserve.ops import attention, triton_attention
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.triton_attention import (
     TileConfig,
@@ -70,8 +71,10 @@ def make_ctx(q_lens, c_lens, tables, block_size, pad_rows, device) -> ForwardCon
 
 def make_case(
     device, dtype, q_lens, c_lens, *, hkv=8, group=4, head_dim=128, block_size=16,
-    pad_rows=0, seed=0, poison=True,
+    pad_rows=0, seed=0, poison=True, window=0,
 ) -> Case:  # fmt: skip
+    """window > 0 also poisons the keys older than each request's first row's window: a
+    sliding-window kernel must never read them (their blocks may have been freed)."""
     gen = torch.Generator().manual_seed(seed)
     per_req = [math.ceil(c / block_size) for c in c_lens]
     num_blocks = sum(per_req) + 4
@@ -87,8 +90,8 @@ def make_case(
     v = torch.randn(shape, generator=gen)
     if poison:
         live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-        for cl, table in zip(c_lens, tables):
-            pos = torch.arange(cl)
+        for ql, cl, table in zip(q_lens, c_lens, tables):
+            pos = torch.arange(max(0, cl - ql - window + 1) if window else 0, cl)
             live[torch.tensor(table)[pos // block_size] * block_size + pos % block_size] = True
         k.view(-1, hkv, head_dim)[~live] = float("nan")
         v.view(-1, hkv, head_dim)[~live] = float("nan")
@@ -97,11 +100,17 @@ def make_case(
     return Case(q.to(device=device, dtype=dtype), cache, ctx, head_dim**-0.5)
 
 
-def check_attention(case: Case, dtype, **kw) -> None:
+def torch_reference(q, cache, ctx, scale, window: int = 0) -> torch.Tensor:
+    """The torch path of `paged_attention`, also on CUDA (where it would dispatch to Triton)."""
+    with mock.patch.object(attention, "use_triton", lambda device: False):
+        return paged_attention(q, cache, ctx, scale, window)
+
+
+def check_attention(case: Case, dtype, window: int = 0, **kw) -> None:
     if dtype == torch.bfloat16 and case.q.device.type == "cpu":
         pytest.skip("Triton's CPU interpreter multiplies bf16 as raw uint16")
-    ref = paged_attention(case.q, case.cache, case.ctx, case.scale)
-    out = paged_attention_triton(case.q, case.cache, case.ctx, case.scale, **kw)
+    ref = torch_reference(case.q, case.cache, case.ctx, case.scale, window)
+    out = paged_attention_triton(case.q, case.cache, case.ctx, case.scale, window=window, **kw)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     assert torch.isfinite(out).all(), "kernel read an unwritten (NaN) cache slot"
     n = sum(case.ctx.query_lens_cpu)
@@ -199,8 +208,10 @@ def test_write_kv_matches_reference(cuda, dtype, pad_rows):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_new_lengths(cuda):
-    """Capture write + attention once for a verify bucket, replay with other lengths/tables."""
+@pytest.mark.parametrize("window", [0, 300])
+def test_cuda_graph_replay_with_new_lengths(cuda, window):
+    """Capture write + attention once for a verify bucket, replay with other lengths/tables
+    (window 300: a sliding-window layer, its window fixed at capture)."""
     if cuda.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     dtype, b, bucket_q, bound, bs = torch.bfloat16, 6, 4, 2048, 16
@@ -220,7 +231,9 @@ def test_cuda_graph_replay_with_new_lengths(cuda):
 
     def step():
         write_kv_triton(k_buf, v_buf, cache, c0.slot_mapping)
-        return paged_attention_triton(q_buf, cache, c0, base.scale, num_splits=splits)
+        return paged_attention_triton(
+            q_buf, cache, c0, base.scale, window=window, num_splits=splits
+        )
 
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -247,7 +260,7 @@ def test_cuda_graph_replay_with_new_lengths(cuda):
         ref_cache = KVCache(cache.k.clone(), cache.v.clone())
         graph.replay()
         write_kv(k_buf, v_buf, ref_cache, ctx.slot_mapping)
-        ref = paged_attention(q_buf, ref_cache, ctx, base.scale)
+        ref = torch_reference(q_buf, ref_cache, ctx, base.scale, window)
         torch.cuda.synchronize()
         assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v), it
         torch.testing.assert_close(out_buf.float(), ref.float(), atol=2e-2, rtol=2e-2)

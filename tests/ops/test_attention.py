@@ -102,7 +102,9 @@ def _dense_reference(
     q_lens: list[int],
     ctx_lens: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, H, D] float64, padding rows zero
+    """Row at position p attends to keys [0, p], or with a window to (p - window, p] (HF)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // ks[0].shape[1]
     row = 0
@@ -111,8 +113,9 @@ def _dense_reference(
         v = vs[i].double().repeat_interleave(group, 1)
         for j in range(ql):
             p = c - ql + j
-            s = torch.einsum("hd,thd->ht", q[row + j].double(), k[: p + 1]) * scale
-            out[row + j] = torch.einsum("ht,thd->hd", s.softmax(-1), v[: p + 1])
+            lo = max(0, p - window + 1) if window else 0
+            s = torch.einsum("hd,thd->ht", q[row + j].double(), k[lo : p + 1]) * scale
+            out[row + j] = torch.einsum("ht,thd->hd", s.softmax(-1), v[lo : p + 1])
         row += ql
     return out
 
@@ -146,6 +149,31 @@ def test_paged_attention_matches_dense(case: str, heads: int, kv_heads: int, pad
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # the cached plan (built by the first layer) gives the same answer to the next layer
     torch.testing.assert_close(paged_attention(q, cache, ctx, scale), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("window", [1, 4, 7, 16])
+def test_sliding_window_matches_dense(case: str, window: int) -> None:
+    """Each row sees its `window` newest positions; keys older than every row's window are
+    poisoned (NaN) in the cache, so gathering one shows up (their blocks may be freed)."""
+    q_lens, ctx_lens = CASES[case]
+    st = _setup(q_lens, ctx_lens, 6, 2, pad_rows=2)
+    q, ks, vs, cache, ctx = _unpack(st)
+    bs = cache.block_size
+    for i, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
+        for p in range(max(0, c - ql - window + 1)):
+            blk = int(ctx.block_tables[i, p // bs])
+            cache.k[blk, p % bs] = float("nan")
+            cache.v[blk, p % bs] = float("nan")
+    out = paged_attention(q, cache, ctx, 0.37, window)
+    ref = _dense_reference(q, ks, vs, q_lens, ctx_lens, 0.37, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # layers of one forward with different windows each get their own cached plan
+    full = paged_attention(q, cache, ctx, 0.37) if window >= max(ctx_lens) else None
+    if full is not None:
+        torch.testing.assert_close(full, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(paged_attention(q, cache, ctx, 0.37, window), out, atol=0, rtol=0)
 
 
 def test_block_size_16_and_bf16() -> None:
