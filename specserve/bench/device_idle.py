@@ -60,14 +60,14 @@ def measure(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="dummy:llama-3.1-8b")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--model", default="dummy:llama-3.1-8b", help="model (default: random 8B)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
+    p.add_argument("--batch", type=int, default=64, help="requests at once")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--modes", default="overlap,sync", help="comma list of overlap, sync")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
 def main(argv: list[str] | None = None) -> int:

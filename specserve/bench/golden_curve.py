@@ -354,7 +354,11 @@ def add_golden_curve_parser(sub: Any) -> None:
         "golden-curve",
         help="speculation speedup vs acceptance rate (golden drafts) at several batch sizes",
     )
-    p.add_argument("--model", default=None)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, hub id, .gguf or dummy:<preset> (default: the default model)",
+    )
     p.add_argument("--k", type=int, default=4, help="drafts per request per step")
     p.add_argument(
         "--acceptance-rates", type=_floats, default=[0.0, 0.5, 0.8, 1.0], help="e.g. 0,0.5,1"
@@ -367,14 +371,14 @@ def add_golden_curve_parser(sub: Any) -> None:
     p.add_argument("--auto", action="store_true", help="also run the auto verify budget")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
     p.add_argument("--fresh-engines", action="store_true", help="one engine per rate")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=4096, help="tokens per request")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="default: the engine's")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--plot", dest="plot_path", default=None)
+    p.add_argument("--seed", type=int, default=0, help="engine and dataset seed")
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")
 
 
 def settings_from_args(args: argparse.Namespace) -> CurveSettings:

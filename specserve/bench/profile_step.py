@@ -25,23 +25,27 @@ from typing import Any
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="dummy:llama-3.1-8b")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--model", default="dummy:llama-3.1-8b", help="model (default: random 8B)")
+    p.add_argument("--batch", type=int, default=1, help="decoding requests")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--workload", type=int, default=0, help="profile a whole run of N prompts")
-    p.add_argument("--input-len-min", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--input-len-min", type=int, default=None, help="--workload: lengths in [this, --input-len]"
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="--workload: output tokens")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
     p.add_argument(
         "--graphs",
         action="store_true",
         help="decode steps through the CUDA graphs (as served) instead of eagerly",
     )
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="tokens per request (graphs' KV bound)"
+    )
     p.add_argument("--ops", action="store_true", help="--workload: also eager ops with shapes")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
 def main(argv: list[str] | None = None) -> int:

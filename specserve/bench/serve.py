@@ -345,22 +345,27 @@ def add_serve_bench(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
     p.add_argument("--model", default=None, help="served model name (default: the server's)")
     p.add_argument("--tokenizer", default=None, help="HF folder for ShareGPT length filtering")
-    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt", help="prompts")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests sent")
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s (default: inf)")
     p.add_argument("--burstiness", type=float, default=1.0, help="1.0 = Poisson arrivals")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--output-len", type=int, default=None, help="fixed output tokens per request")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--stream-granularity", choices=("step", "token"), default=None)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--stream-granularity",
+        choices=("step", "token"),
+        default=None,
+        help="ask the server for SSE chunks per step or per token (default: its own)",
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--ready-timeout", type=float, default=0.0, help="wait this long for /health")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
     p.add_argument("--percentiles", default="50,90,99", help="comma-separated")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG here")

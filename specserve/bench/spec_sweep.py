@@ -370,22 +370,40 @@ def add_sweep_parser(sub: Any) -> None:
     p = sub.add_parser(
         "spec-sweep", help="throughput vs concurrency: speculation off / fixed k / auto budget"
     )
-    p.add_argument("--model", default=None)
-    p.add_argument("--method", choices=("ngram", "draft_model", "golden"), default="ngram")
-    p.add_argument("--draft-model", default="self")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, hub id, .gguf or dummy:<preset> (default: the default model)",
+    )
+    p.add_argument(
+        "--method",
+        choices=("ngram", "draft_model", "golden"),
+        default="ngram",
+        help="drafter to sweep",
+    )
+    p.add_argument(
+        "--draft-model", default="self", help="method draft_model: its model (self: the target)"
+    )
     p.add_argument(
         "--acceptance-rate",
         type=float,
         default=0.8,
         help="method golden: chance each draft is right (outputs are forced to golden tokens)",
     )
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--dataset", choices=("humaneval", "sharegpt", "random"), default="humaneval")
+    p.add_argument("--k", type=int, default=4, help="drafts per request per step (fixed k)")
+    p.add_argument(
+        "--dataset",
+        choices=("humaneval", "sharegpt", "random"),
+        default="humaneval",
+        help="prompts",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
-    p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests-per-slot", type=int, default=2)
-    p.add_argument("--min-requests", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma list of max-num-seqs levels")
+    p.add_argument(
+        "--requests-per-slot", type=int, default=2, help="requests per level: this x concurrency"
+    )
+    p.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument(
         "--repeats", type=int, default=1, help="timed runs per point; the median one is reported"
     )
@@ -395,13 +413,15 @@ def add_sweep_parser(sub: Any) -> None:
         help="keep the three engines alive and alternate them within each repeat (needs "
         "memory for three; pass --kv-cache-gb on GPU)",
     )
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context length"
+    )
     p.add_argument(
         "--kv-cache-gb", type=float, default=None, help="KV cache size (default: the engine's)"
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--plot", dest="plot_path", default=None)
+    p.add_argument("--seed", type=int, default=0, help="engine and dataset seed")
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")

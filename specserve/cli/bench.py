@@ -23,8 +23,13 @@ def _add_throughput_parser(sub: Any) -> None:
     from specserve.cli.main import add_engine_args
 
     add_engine_args(p)  # --model, --dtype, --device, --max-num-seqs, --speculative-config, ...
-    p.add_argument("--dataset", choices=("sharegpt", "humaneval", "random"), default="sharegpt")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--dataset",
+        choices=("sharegpt", "humaneval", "random"),
+        default="sharegpt",
+        help="prompts",
+    )
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in the run")
     p.add_argument(
         "--max-tokens", type=int, default=128, help="output tokens per request (the same for all)"
     )
