@@ -3,14 +3,23 @@ ledger and per-token outputs (DESIGN.md, process_outputs + build_request_outputs
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from specserve.engine.outputs import LOGPROB_FLOOR, Logprob, OutputPool, TokenOutput
+from specserve.engine.outputs import (
+    LOGPROB_FLOOR,
+    Logprob,
+    OutputPool,
+    OutputPoolExhausted,
+    TokenOutput,
+)
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("specserve.engine")
 
 
 class HostStepResult(NamedTuple):
@@ -120,44 +129,71 @@ class Ledger:
                 self._register_blocks(seq)
                 continue
             assert res is not None
-            seq.num_pending = max(0, seq.num_pending - 1)
-            accepted = res.num_accepted[r]
-            tokens = res.verified_token_ids[row : row + accepted]
-            tokens.append(res.sampled_token_ids[r])
-            pushed, stop = 0, None
-            for j, tok in enumerate(tokens):
-                seq.token_ids.append(tok)
-                pushed += 1
-                # the stop check feeds the detokenizer, so it runs before the output takes its text
-                stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
-                outputs.append(self._token_output(seq, tok, row + j, res, step))
-                if stop is not None:
-                    break
-            # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
-            seq.commit_processed_tokens(qlen, qlen - nd + accepted)
-            if nd > accepted:
-                self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
-            self.num_generated_tokens += pushed
-            emitted_drafts = min(accepted, pushed)
-            seq.spec.num_drafts += nd > 0
-            seq.spec.num_draft_tokens += nd
-            seq.spec.num_accepted_tokens += emitted_drafts
-            self.spec.record(nd, emitted_drafts)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            anchor = outputs[-1]
-            anchor.is_anchor = True
-            anchor.draft_tok, anchor.accept_tok = nd, emitted_drafts
-            if res.draft_confidences is not None:
-                anchor.draft_confidences = res.draft_confidences[r]
-            if stop is not None:
-                self.sched.finish(seq, stop[0])
-                seq.stop_reason = stop[1]
-                self._finish_output(seq, anchor)
-            else:
-                self._register_blocks(seq)
+            num_tokens = seq.num_tokens
+            try:
+                outputs += self._push(seq, qlen, nd, r, row, res, step, now)
+            except OutputPoolExhausted:
+                raise  # the engine's, not this request's
+            except Exception as e:
+                # this request's tokens broke something on the host (detokenizer, stop check):
+                # end it alone; its outputs of this step are dropped (the pool takes them back
+                # with the step), and so are the tokens it appended; the others' are untouched
+                del seq.token_ids[num_tokens:]
+                outputs.append(self.fail_request(seq, e, step))
             r += 1
             row += seqlen_q
+        return outputs
+
+    def _push(
+        self,
+        seq: Sequence,
+        qlen: int,
+        nd: int,
+        r: int,
+        row: int,
+        res: HostStepResult,
+        step: int,
+        now: float,
+    ) -> list[TokenOutput]:
+        """Request r of the step: append its accepted prefix and sampled token with a stop check
+        after each, commit its KV ledger, finish it on a stop; its outputs, in order."""
+        outputs: list[TokenOutput] = []
+        seq.num_pending = max(0, seq.num_pending - 1)
+        accepted = res.num_accepted[r]
+        tokens = res.verified_token_ids[row : row + accepted]
+        tokens.append(res.sampled_token_ids[r])
+        pushed, stop = 0, None
+        for j, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            pushed += 1
+            # the stop check feeds the detokenizer, so it runs before the output takes its text
+            stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
+            outputs.append(self._token_output(seq, tok, row + j, res, step))
+            if stop is not None:
+                break
+        # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
+        seq.commit_processed_tokens(qlen, qlen - nd + accepted)
+        if nd > accepted:
+            self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
+        self.num_generated_tokens += pushed
+        emitted_drafts = min(accepted, pushed)
+        seq.spec.num_drafts += nd > 0
+        seq.spec.num_draft_tokens += nd
+        seq.spec.num_accepted_tokens += emitted_drafts
+        self.spec.record(nd, emitted_drafts)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        anchor = outputs[-1]
+        anchor.is_anchor = True
+        anchor.draft_tok, anchor.accept_tok = nd, emitted_drafts
+        if res.draft_confidences is not None:
+            anchor.draft_confidences = res.draft_confidences[r]
+        if stop is not None:
+            self.sched.finish(seq, stop[0])
+            seq.stop_reason = stop[1]
+            self._finish_output(seq, anchor)
+        else:
+            self._register_blocks(seq)
         return outputs
 
     def _register_blocks(self, seq: Sequence) -> None:
@@ -182,6 +218,10 @@ class Ledger:
                     if tid not in top:
                         top[tid] = Logprob(_clamp(lp), rank + 1, self._decode(tid))
                 out.top_logprobs = top
+        if out.index == 0 and seq.params.prompt_logprobs is not None:
+            # the prompt's scores ride on the first output (a one-token prompt has none to score)
+            state = seq.prompt_logprobs_state
+            out.prompt_logprobs = state.result(self._decode) if state is not None else [None]
         if seq.detokenizer is not None:
             out.text = seq.detokenizer.take_delta()
         return out
@@ -190,11 +230,26 @@ class Ledger:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
 
     def _finish_output(self, seq: Sequence, out: TokenOutput) -> None:
-        if seq.detokenizer is not None:
+        # a failed request's held-back text is not released: its detokenizer may be what failed
+        if seq.detokenizer is not None and seq.finish_reason is not FinishReason.ERROR:
             out.text += seq.detokenizer.flush()
         out.finished = True
         out.finish_reason = seq.finish_reason.value
         out.stop_reason = seq.stop_reason
+
+    def fail_request(self, seq: Sequence, exc: BaseException, step: int) -> TokenOutput:
+        """fail() and the request's terminal output, at once (a failure inside the ledger)."""
+        self.fail(seq, exc)
+        return self.terminal_output(seq, step)
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """End a request whose inputs made its work fail: finish_reason "error", the failure as
+        its stop_reason; blocks and slot freed."""
+        log.warning("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc)
+        if not seq.is_finished:
+            self.sched.finish(seq, FinishReason.ERROR)
+        seq.finish_reason = FinishReason.ERROR
+        seq.stop_reason = f"{type(exc).__name__}: {exc}"
 
     def terminal_output(self, seq: Sequence, step: int) -> TokenOutput:
         """The single output of a request that ends without a token (abort, prompt too long)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import logging
+import numbers
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +18,7 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
+from specserve.engine.isolation import EngineStepError, FaultIsolation
 from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
@@ -31,6 +35,11 @@ from specserve.spec.slots import DraftSlotPool
 from specserve.spec.speculator import Speculator
 from specserve.spec.step_timer import StepTimer
 
+log = logging.getLogger("specserve.engine")
+_FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
+
+__all__ = ["EngineStepError", "LLMEngine"]
+
 
 class _WorkerStep:
     """A step whose device part runs in the CPU worker thread: waits for it, then for its
@@ -42,6 +51,14 @@ class _WorkerStep:
     def wait(self) -> HostStepResult | None:
         sampled = self.future.result()
         return sampled.wait() if sampled is not None else None
+
+
+def _settle(launched: LaunchedStep) -> None:
+    """A launched step that will be rolled back: let its device part finish first, whatever its
+    outcome (the CPU worker may still be writing its KV rows). On CUDA nothing to wait for: a
+    step re-run later is queued behind it on the same stream, so its own writes land last."""
+    if isinstance(launched.sampled, _WorkerStep):
+        launched.sampled.future.exception()  # waits; the failure is the step's, discarded
 
 
 class LaunchedStep(NamedTuple):
@@ -62,6 +79,17 @@ class EngineStats:
     num_blocks: int
     pool_free: int
     pool_capacity: int
+
+
+def _prompt_ids(prompt: object) -> list[int]:
+    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+    ids = list(prompt)
+    if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
+        raise InvalidRequestError("prompt token ids must be integers", "prompt")
+    return [int(t) for t in ids]
 
 
 class LLMEngine:
@@ -157,6 +185,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_sync_steps = 0  # launched synchronously (drafts, penalties, or overlap off)
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
+        self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
         # live requests whose sampler reads every output token on the host (penalties, bad
         # words): they force synchronous steps
         self._num_penalized = 0
@@ -219,26 +248,29 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Sequence:
         """Validate and queue. A user error raises InvalidRequestError before anything is queued,
-        so no other request is touched."""
-        params = params or SamplingParams()
+        so no other request is touched. The request gets its own copy of params, checked again
+        here (fields may have changed since construction) and against the model."""
+        params = copy.copy(params) if params is not None else SamplingParams()
         params.validate()
-        params.resolve_bad_words(self.tokenizer, self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        params.validate_for_model(vocab, self.max_model_len)
+        params.resolve_bad_words(self.tokenizer, vocab)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give token ids", "prompt")
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(x) for x in prompt]
+            text, ids = None, _prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        vocab = self.model_config.vocab_size
         if any(i < 0 or i >= vocab for i in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if params.golden_token_ids and max(params.golden_token_ids) >= vocab:
-            raise InvalidRequestError(
-                f"golden_token_ids must be in [0, {vocab})", "golden_token_ids"
-            )
+        if params.truncate_prompt_tokens is not None:
+            k = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len if k == -1 else k) :]  # vLLM: the last k tokens
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -287,6 +319,7 @@ class LLMEngine:
         engine is clean again. Returns them; their terminal outputs come with the next step."""
         failed = [s for s in self.requests.values() if not s.is_finished]
         self._inflight = None  # its requests are all aborted below: nothing to read back
+        self._isolation = None
         for seq in failed:
             self.abort(seq.request_id)
         return failed
@@ -295,40 +328,18 @@ class LLMEngine:
     def step(self) -> list[TokenOutput]:
         """Synchronous: schedule, launch and process step N. Overlap: schedule and launch step
         N+1, then process step N (still running on the device until its readback arrives, while
-        N+1 queues behind it), so the ledger is one step late; a step with no rows flushes."""
+        N+1 queues behind it), so the ledger is one step late; a step with no rows flushes.
+
+        A step that fails before the ledger is rolled back and its requests searched for the
+        ones whose inputs caused it (isolation.py): only those end, with finish_reason "error";
+        the others continue as if nothing had happened. Raises EngineStepError when no
+        request's inputs explain a failure."""
         t_start = time.perf_counter()
         if self.step_timer is not None:
             self.step_timer.begin_step(t_start)
-        outputs: list[TokenOutput] = []
-        overlap = self._overlap_now()
-        flushed = False
-        if self._inflight is not None and (not overlap or self._needs_sync()):
-            # taken before processing: a step whose readback raised is not processed again
-            inflight, self._inflight = self._inflight, None
-            outputs += self._process(inflight, self.scheduler.step_id + 1, draft=True)
-            flushed = True
-            if self.overlap_when_paused and self.speculator is not None:
-                # the drafting just done decides: drafts kept need the synchronous path; none
-                # (speculation paused, or nothing to draft) lets this step run overlapped
-                overlap = not self.speculator.has_drafts()
-        batch = self.scheduler.schedule()
-        self.pool.release_through(batch.step - 2)
-        while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
-            outputs.append(self.ledger.terminal_output(self._terminal.pop(0), batch.step))
-        launched = None
-        if not batch.is_empty:
-            self.num_steps += 1
-            self.num_sync_steps += not overlap
-            launched = self._launch(batch, overlap)
-        if not overlap:
-            if launched is not None:
-                outputs += self._process(launched, batch.step, draft=True)
-                if self.step_timer is not None:
-                    self.step_timer.sync_step_processed(t_start, measured=not flushed)
-        else:
-            inflight, self._inflight = self._inflight, launched
-            if inflight is not None:
-                outputs += self._process(inflight, batch.step, draft=False)
+        outputs = self._isolation_step() if self._isolation is not None else None
+        if outputs is None:
+            outputs = self._step(t_start)
         for out in outputs:
             if out.finished:
                 self.forget(out.request_id)
@@ -337,6 +348,125 @@ class LLMEngine:
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
+
+    def _step(self, t_start: float) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = []
+        overlap = self._overlap_now()
+        flushed = False
+        if self._inflight is not None and (not overlap or self._needs_sync()):
+            # taken before processing: a step whose readback raised is not processed again
+            inflight, self._inflight = self._inflight, None
+            host = self._read_or_roll_back(inflight)
+            if host is _FAILED:
+                return outputs
+            outputs += self._commit(inflight, host, self.scheduler.step_id + 1, draft=True)
+            flushed = True
+            if self.overlap_when_paused and self.speculator is not None:
+                # the drafting just done decides: drafts kept need the synchronous path; none
+                # (speculation paused, or nothing to draft) lets this step run overlapped
+                overlap = not self.speculator.has_drafts()
+        batch = self.scheduler.schedule()
+        self.pool.release_through(batch.step - 2)
+        outputs += self._take_terminal(batch.step)
+        launched = None
+        if not batch.is_empty:
+            self.num_steps += 1
+            self.num_sync_steps += not overlap
+            try:
+                launched = self._launch(batch, overlap)
+            except Exception as e:
+                # nothing of it reached the ledger; a step in flight is older and independent
+                # of it, so it is still processed below
+                self.scheduler.roll_back(batch, undo_pending=False)
+                self._isolate(batch.seqs, e)
+        if not overlap:
+            if launched is not None:
+                host = self._read_or_roll_back(launched)
+                if host is not _FAILED:
+                    outputs += self._commit(launched, host, batch.step, draft=True)
+                    if self.step_timer is not None:
+                        self.step_timer.sync_step_processed(t_start, measured=not flushed)
+        else:
+            inflight, self._inflight = self._inflight, launched
+            if inflight is not None:
+                host = self._read_or_roll_back(inflight, newer=launched)
+                if host is _FAILED:
+                    self._inflight = None  # rolled back with it: it read the failed step's tokens
+                else:
+                    outputs += self._commit(inflight, host, batch.step, draft=False)
+        return outputs
+
+    def _take_terminal(self, step: int) -> list[TokenOutput]:
+        """The outputs of requests that ended without a token (aborted, refused, failed)."""
+        outputs = []
+        while self._terminal and self.pool.num_free > self.max_num_batched_tokens:
+            outputs.append(self.ledger.terminal_output(self._terminal.pop(0), step))
+        return outputs
+
+    # -- fault isolation (isolation.py) -----------------------------------------------------
+    def _isolate(self, seqs: list[Sequence], exc: BaseException) -> None:
+        log.warning(
+            "a step of %d requests failed (%s: %s); searching for the requests that caused it",
+            len(seqs),
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        if self._isolation is None:
+            self._isolation = FaultIsolation.start(list(seqs))
+        else:
+            self._isolation.add(list(seqs))
+
+    def _read_or_roll_back(
+        self, launched: LaunchedStep, newer: LaunchedStep | None = None
+    ) -> HostStepResult | None | object:
+        """_read(), or on failure: roll the step back (and `newer`, launched behind it and fed
+        its tokens on the device), start the search over its requests, return _FAILED."""
+        try:
+            return self._read(launched)
+        except Exception as e:
+            if newer is not None:
+                _settle(newer)
+                self.scheduler.roll_back(newer.batch, undo_pending=newer.overlapped)
+            self.scheduler.roll_back(launched.batch, undo_pending=launched.overlapped)
+            self._isolate(launched.batch.seqs, e)
+            return _FAILED
+
+    def _isolation_step(self) -> list[TokenOutput] | None:
+        """One step of the search: the next group alone, synchronously. None when the search
+        is over (its culprits are ended; the caller runs a normal step)."""
+        iso = self._isolation
+        assert iso is not None and self._inflight is None
+        group = iso.next_group()
+        if group is None:
+            self._end_isolation()
+            return None
+        batch = self.scheduler.schedule(only={s.request_id for s in group})
+        self.pool.release_through(batch.step - 2)
+        outputs = self._take_terminal(batch.step)
+        if batch.is_empty:
+            # the group cannot run alone now (the requests waiting hold the KV it needs): end
+            # the search; it runs with the others again, and a new search starts if it fails
+            self._end_isolation()
+            return outputs
+        self.num_steps += 1
+        self.num_sync_steps += 1
+        try:
+            launched = self._launch(batch, overlap=False)
+            host = self._read(launched)
+        except Exception as e:
+            self.scheduler.roll_back(batch, undo_pending=False)
+            iso.step_failed(group, batch.seqs, e)
+            return outputs
+        outputs += self._commit(launched, host, batch.step, draft=True)
+        iso.step_passed(group, [s for s, sm in zip(batch.seqs, batch.samples) if sm])
+        return outputs
+
+    def _end_isolation(self) -> None:
+        iso, self._isolation = self._isolation, None
+        for seq, exc in iso.verdict():
+            self.ledger.fail(seq, exc)
+            self._terminal.append(seq)
 
     def _overlap_now(self) -> bool:
         if self.overlap:
@@ -382,10 +512,10 @@ class LLMEngine:
         self.timeline.end()
         return LaunchedStep(batch, seqs, sampled, t0, overlap, self._inflight is not None)
 
-    def _process(self, launched: LaunchedStep, out_step: int, draft: bool) -> list[TokenOutput]:
-        """Wait for a launched step's results (the designed sync point), run the ledger and,
-        with a drafter and draft=True (the next step is synchronous), draft the next step.
-        Outputs belong to out_step for the pool."""
+    def _read(self, launched: LaunchedStep) -> HostStepResult | None:
+        """Wait for a launched step's results (the designed sync point); the drafter learns
+        from them. Everything before the ledger: a failure here leaves no trace once the step
+        is rolled back."""
         batch, seqs = launched.batch, launched.seqs
         if self.step_timer is not None:
             self.step_timer.flush()  # the budget's bookkeeping, while the device runs the step
@@ -394,9 +524,23 @@ class LLMEngine:
             host = self.speculator.observe(batch, seqs, host)
         if self.step_timer is not None:
             self.step_timer.read_back(launched)
-        outputs = self.ledger.process_outputs(batch, host, out_step)
+        return host
+
+    def _commit(
+        self, launched: LaunchedStep, host: HostStepResult | None, out_step: int, draft: bool
+    ) -> list[TokenOutput]:
+        """Run the ledger and, with a drafter and draft=True (the next step is synchronous),
+        draft the next step. Outputs belong to out_step for the pool."""
+        outputs = self.ledger.process_outputs(launched.batch, host, out_step)
         if self.speculator is not None and draft:
-            self.speculator.propose()
+            try:
+                self.speculator.propose()
+            except Exception:
+                # drafts never change what is emitted (verification is lossless): the next
+                # step runs without them rather than fail anyone
+                log.exception("drafting failed; the next step runs without drafts")
+                for s in self.scheduler.running:
+                    self.slot_pool.clear(s.slot)
         return outputs
 
     def release_outputs(self) -> None:

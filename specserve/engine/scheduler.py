@@ -64,23 +64,23 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.ignored: list[Sequence] = []  # finished before running; reported in the next outputs
         self.step_id = 0
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a request, or finish it at once (prompt_length_exceeded) when its prompt can
+        never run; the engine reports that and keeps no reference here."""
         too_long = seq.num_prompt_tokens > self.max_model_len
         never_fits = self.bm.blocks_needed(seq.num_prompt_tokens + 1) > self.bm.num_usable_blocks
         if too_long or never_fits:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.PROMPT_LENGTH_EXCEEDED
             seq.finished_time = time.perf_counter()
-            self.ignored.append(seq)
             return
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.ignored)
+        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Stop a request now: free its KV blocks and slot.
@@ -116,9 +116,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> StepBatch:
+    def schedule(self, only: set[str] | None = None) -> StepBatch:
         """Running requests first (decode/verify rows, then their remaining prefill chunks), then
-        new prefills while the token budget, max_num_seqs and free blocks allow."""
+        new prefills while the token budget, max_num_seqs and free blocks allow.
+        only: request ids; a step of just these (the engine's fault isolation), the others
+        wait (they may still be preempted to make room)."""
         self.step_id += 1
         batch = StepBatch(self.step_id, [], [], [], [], [])
         budget = self.max_num_batched_tokens
@@ -126,6 +128,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
+            if only is not None and seq.request_id not in only:
+                idx += 1
+                continue
             if seq.num_pending and self._ends_with_pending(seq):
                 idx += 1  # finishes when the ledger reads its step in flight: nothing to run
                 continue
@@ -151,10 +156,14 @@ class Scheduler:
             idx += 1
 
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+            while budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self._next_waiting(only)
+                if seq is None:
+                    break
                 if seq.num_computed_tokens == 0 and not seq.block_table.blocks:
-                    blocks, hashes = self.bm.match_prefix(seq.token_ids)
+                    # prompt_logprobs score every prompt row: no prefix-cache hit (as vLLM)
+                    scores = seq.params.prompt_logprobs is not None and not seq.num_output_tokens
+                    blocks, hashes = ([], []) if scores else self.bm.match_prefix(seq.token_ids)
                     rows = min(seq.num_tokens - len(blocks) * self.bm.block_size, budget)
                     if not self._fits(seq, blocks, rows):
                         break
@@ -166,7 +175,10 @@ class Scheduler:
                     rows = min(seq.num_uncomputed_tokens, budget)
                     if not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
                         break
-                self.waiting.popleft()
+                if only is None:
+                    self.waiting.popleft()
+                else:
+                    self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 if self.slots is not None:
                     seq.slot = self.slots.allocate()
@@ -174,6 +186,28 @@ class Scheduler:
                 self._add_to_batch(batch, seq, rows, [])
                 budget -= rows
         return batch
+
+    def _next_waiting(self, only: set[str] | None) -> Sequence | None:
+        if only is None:
+            return self.waiting[0] if self.waiting else None
+        return next((s for s in self.waiting if s.request_id in only), None)
+
+    def roll_back(self, batch: StepBatch, undo_pending: bool) -> None:
+        """Undo a step that was scheduled but will never reach the ledger (it failed): each of
+        its requests' KV ledger goes back to where the step's rows began, and the blocks grown
+        for them are released. The KV before that is untouched (a step writes only its own
+        rows), so re-running the request from here is exact. Roll back the newest step first
+        when several are undone. undo_pending: the step was launched overlapped, so it counted
+        one pending token for each request it samples."""
+        for seq, start, epoch, samples in zip(
+            batch.seqs, batch.starts, batch.epochs, batch.samples
+        ):
+            if seq.is_finished or seq.epoch != epoch:
+                continue  # finished or preempted since: its KV went with its blocks
+            if undo_pending and samples:
+                seq.num_pending = max(0, seq.num_pending - 1)
+            seq.num_computed_tokens = start
+            self.bm.truncate(seq.block_table, start)
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """Under overlap: the step in flight already takes the request to max_tokens or

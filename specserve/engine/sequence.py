@@ -20,6 +20,8 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # a step failed because of this request's inputs (the engine isolated it; vLLM's "error")
+    ERROR = "error"
     PROMPT_LENGTH_EXCEEDED = "prompt_length_exceeded"
 
 
@@ -55,12 +57,14 @@ class Sequence:
     num_pending: int = 0
     epoch: int = 0
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = None  # finish_reason error: what failed, as text
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
+    # prompt_logprobs requests: runner.prompt_logprobs.PromptLogprobs, made by the model runner
+    prompt_logprobs_state: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

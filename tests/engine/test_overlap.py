@@ -409,15 +409,15 @@ def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkey
     # a caller that stalls between steps: each sample is capped at that step's launch-to-readback
     eng.add_request(prompts_of([14])[0], sp)
     l2r = []
-    real_process = eng._process
+    real_commit = eng._commit
 
-    def process(launched, out_step, draft):
-        out = real_process(launched, out_step, draft)
+    def commit(launched, host, out_step, draft):
+        out = real_commit(launched, host, out_step, draft)
         read = eng.step_timer._launch_to_readback  # (seconds, rows, kv tokens, requests)
         l2r.append(read[0] if read else None)
         return out
 
-    monkeypatch.setattr(eng, "_process", process)
+    monkeypatch.setattr(eng, "_commit", commit)
     seen.clear()
     while eng.has_unfinished():
         eng.step()
