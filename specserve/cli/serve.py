@@ -32,7 +32,44 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("SPECSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /metrics "
+        "(default: $SPECSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-without-key",
+        action="store_true",
+        help="with --api-key: leave /metrics open (for a Prometheus scraper without the key)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins allowed to call the server from a browser (CORS), e.g. "
+        "http://localhost:3000; '*' allows any. Default: none (cross-origin requests get 403)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="bound to loopback, Host headers that are not loopback names get 403 (DNS "
+        "rebinding); list names to accept, e.g. behind a local reverse proxy",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C: how long in-flight requests may take to finish; those still "
+        "running then end with an error (a second signal stops at once). Default 30",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt in characters, refused before tokenizing (default: 32 x "
+        "max_model_len)",
     )
     p.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients may use in 'model'"
@@ -65,7 +102,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.cli.main import engine_config
     from specserve.engine.llm_engine import LLMEngine
-    from specserve.server.launch import ServerOptions, run_server
+    from specserve.server.launch import ServerOptions, bind_socket, run_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
@@ -74,7 +111,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(
         args, model=args.model_tag or args.model, kv_cache_memory_gb=args.kv_cache_memory_gb
     )
-    engine = LLMEngine(config)
+    try:  # before the model loads: a taken port should not cost the load
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(
+            f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr
+        )
+        return 1
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        sock.close()
+        raise
     opts = ServerOptions(
         host=args.host,
         port=args.port,
@@ -82,6 +130,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name,
         stream_granularity=args.stream_granularity,
         max_body_bytes=args.max_request_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        metrics_without_key=args.metrics_without_key,
+        allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts,
+        shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
@@ -91,5 +144,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"(max_model_len {engine.max_model_len})",
         file=sys.stderr,
     )
-    run_server(engine, opts)
+    run_server(engine, opts, sock)
     return 0

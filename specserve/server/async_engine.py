@@ -65,6 +65,12 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclass(slots=True)
+class _Fail:
+    request_ids: list[str]
+    error: ServerError
+
+
 class _Stop:
     pass
 
@@ -77,6 +83,7 @@ class AsyncEngine:
         self.model_name = model_name or engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
         bm = engine.block_manager
         # the scheduler refuses a prompt whose KV (plus one token) cannot fit in the whole cache
         self.max_kv_tokens = bm.num_usable_blocks * engine.config.block_size
@@ -88,8 +95,6 @@ class AsyncEngine:
         self._outputs_out = False
         self._stopping = False
         self.dead: BaseException | None = None
-        # one tokenizer thread: HF fast tokenizers are not safe to encode from many threads at once
-        self._tok_pool = concurrent.futures.ThreadPoolExecutor(1, "specserve-tokenizer")
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -97,9 +102,6 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
-
-    async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
     async def add(
         self,
@@ -126,6 +128,15 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._cmds.put(_Abort(list(request_ids)))
 
+    def fail(self, request_ids: list[str], error: ServerError) -> None:
+        """End these requests with `error` (a drain past its grace period): their handler
+        answers its client with it, and the engine frees their KV. Finished ones are skipped."""
+        self._cmds.put(_Fail(list(request_ids), error))
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) in the engine thread, between two steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -151,7 +162,6 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._cmds.put(_Stop())
         self._thread.join(timeout)
-        self._tok_pool.shutdown(wait=False)
 
     # ================================================================ engine thread
     def _run(self) -> None:
@@ -209,6 +219,13 @@ class AsyncEngine:
                     cmd.future.set_exception(e)
                 # fn may have stepped the engine itself
                 self._outputs_out = True
+        elif isinstance(cmd, _Fail):
+            for rid in cmd.request_ids:
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    self.engine.abort(rid)
+                    self.metrics.on_aborted()
+                    live.stream.put_threadsafe(StepUpdate(live.index, error=cmd.error))
         elif isinstance(cmd, _Stop):
             self._stopping = True
 
@@ -267,6 +284,8 @@ class AsyncEngine:
                     for t, lp in out.top_logprobs.items()
                 ]
             upd.tokens.append(TokenDelta(out.token_id, out.text, out.logprob, top))
+            if out.prompt_logprobs is not None:  # the request's first output only
+                upd.prompt_logprobs = _copy_prompt_logprobs(out.prompt_logprobs)
             if out.finished:
                 upd.finish_reason, upd.stop_reason = out.finish_reason, out.stop_reason
         batch: list[tuple[RequestStream, StepUpdate]] = []
@@ -341,6 +360,14 @@ class AsyncEngine:
                 **_budget_fields(eng),
             )
         )
+
+
+def _copy_prompt_logprobs(entries: list) -> list:
+    """Plain tuples (token id, logprob, rank, decoded text or None) per prompt position."""
+    return [
+        None if e is None else [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()]
+        for e in entries
+    ]
 
 
 def _budget_fields(eng: LLMEngine) -> dict[str, Any]:

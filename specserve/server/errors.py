@@ -26,9 +26,11 @@ class ErrorResponse(BaseModel):
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }

@@ -2,49 +2,77 @@
 fold the engine's step updates into one OpenAI response or an SSE stream.
 
 Both endpoints share everything except the prompt (text vs chat template) and the JSON shapes,
-which live in `CompletionFormat` / `ChatFormat` (formats.py).
+which live in `CompletionFormat` / `ChatFormat` (formats.py). Everything a request can get wrong
+is checked before its prompt reaches the engine; the work one request may queue is bounded
+(prompts x n, characters before tokenizing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specserve.fanout import derive_seed
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.errors import ServerError, bad_request, internal_error
-from specserve.server.formats import ChatFormat, ChoiceState, CompletionFormat, ResponseFormat
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
+from specserve.server.formats import (
+    ChatFormat,
+    ChoiceState,
+    CompletionFormat,
+    ResponseFormat,
+    prompt_logprobs_body,
+    prompt_token_deltas,
+)
+from specserve.server.protocol import (
+    MAX_ENGINE_REQUESTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from specserve.server.responses import UsageInfo
 from specserve.server.stream import RequestStream, StepUpdate, TokenDelta
+from specserve.server.tokenizing import TokenizerLanes
 
 log = logging.getLogger("specserve.server")
-SEED_MASK = 2**63 - 1
 
 
-def derive_seed(seed: int, i: int) -> int:
-    """Seed of the i-th sample of a prompt: the request's seed for i = 0 (so n=1 reproduces a
-    plain seeded request), a distinct hash of (seed, i) for the others."""
-    if i == 0:
-        return seed
-    x = (seed * 0x9E3779B97F4A7C15 + i * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return x & SEED_MASK
+@dataclass
+class Prompt:
+    """One prompt of a request, as the engine gets it."""
+
+    ids: list[int]
+    text: str | None  # what echo prepends; None: decode the ids when needed
+    echo_text: str = ""
+
+
+def invalid(e: InvalidRequestError, rename: dict[str, str] | None = None) -> ServerError:
+    param = (rename or {}).get(e.param or "", e.param)
+    return bad_request(str(e), param)
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncEngine, served_names: list[str], granularity: str) -> None:
+    def __init__(
+        self,
+        client: AsyncEngine,
+        served_names: list[str],
+        granularity: str,
+        max_prompt_chars: int,
+    ) -> None:
         self.client = client
         self.served_names = served_names
         self.granularity = granularity
+        self.lanes = TokenizerLanes(client.tokenizer, max_prompt_chars)
+        self.draining = False  # set by the drain: no new engine requests
+        self._streams: set[RequestStream] = set()  # this app's requests in the engine
 
     # -- validation ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -59,19 +87,20 @@ class OpenAIServing:
     def max_tokens_for(self, n_prompt: int, requested: int | None, field: str, what: str) -> int:
         """The max_tokens to run with; 400 when the prompt, or prompt + max_tokens, cannot fit."""
         limit = self.client.max_model_len
+        param = "messages" if what == "messages" else "prompt"
         if n_prompt >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {n_prompt} input tokens in the {what}, leaving no room for output. Please reduce "
-                f"the length of the input.",
-                "messages" if what == "messages" else "prompt",
+                f"has {n_prompt} input tokens in the {what}, leaving no room for output. Please "
+                f"reduce the length of the input (or set truncate_prompt_tokens).",
+                param,
                 "context_length_exceeded",
             )
         if n_prompt + 1 > self.client.max_kv_tokens:
             raise bad_request(
                 f"The prompt has {n_prompt} tokens but the KV cache holds only "
                 f"{self.client.max_kv_tokens} tokens. Please reduce the length of the input.",
-                "messages" if what == "messages" else "prompt",
+                param,
                 "context_length_exceeded",
             )
         if requested is None:
@@ -88,77 +117,116 @@ class OpenAIServing:
             )
         return requested
 
-    def build_params(
-        self,
-        req: CompletionRequest | ChatCompletionRequest,
-        prompts: list[list[int]],
-        requested: int | None,
-        field: str,
-        what: str,
-        logprobs: int | None,
-        rename: dict[str, str],
-    ) -> list[SamplingParams]:
-        params: list[SamplingParams] = []
-        for ids in prompts:
-            max_tokens = self.max_tokens_for(len(ids), requested, field, what)
-            try:
-                base = req.sampling_params(max_tokens, logprobs)
-            except InvalidRequestError as e:
-                param = rename.get(e.param or "", e.param)
-                raise bad_request(str(e), param) from None
-            for i in range(req.n):
-                sp = base if i == 0 else _with_seed(base, req.seed, i)
-                params.append(sp)
-        return params
+    def check_fanout(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_ENGINE_REQUESTS:
+            raise bad_request(
+                f"{num_prompts} prompts x n={n} would queue {num_prompts * n} sequences; at most "
+                f"{MAX_ENGINE_REQUESTS} per request",
+                "n" if num_prompts == 1 else "prompt",
+            )
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    def truncate(self, ids: list[int], k: int | None) -> list[int]:
+        """truncate_prompt_tokens: keep the last k tokens (-1: the context length), as vLLM.
+        Done here so echo, usage and the context checks see the prompt the engine runs."""
+        if k is None:
+            return ids
+        k = self.client.max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.client.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"{param} token ids must be in [0, {vocab})", param)
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if text == "":
-            raise bad_request("prompt must not be empty", param)
-        tok = self.client.tokenizer
-        if tok is None:
+            raise bad_request(f"{param} must not be empty", param)
+        if self.client.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids", param)
         try:
             text.encode("utf-8")  # JSON may carry lone surrogates ("\ud800") no tokenizer takes
         except UnicodeEncodeError as e:
             raise bad_request(f"{param} is not valid Unicode: {e.reason}", param) from None
-        return await self.client.run_tokenizer(tok.encode, text)
+        try:
+            return await self.lanes.encode(text, add_special_tokens, param)
+        except InvalidRequestError as e:
+            raise invalid(e) from None
 
-    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
         if isinstance(p, str):
-            return [await self.encode(p, "prompt")]
-        if not p:
+            items: list[str | list[int]] = [p]
+        elif not p:
             raise bad_request("prompt must not be empty", "prompt")
-        if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        out: list[list[int]] = []
-        for item in p:
+        elif isinstance(p[0], int):
+            items = [list(p)]  # type: ignore[arg-type]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        self.check_fanout(len(items), req.n)
+        try:
+            self.lanes.check_size(sum(len(x) for x in items if isinstance(x, str)), "prompt")
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+        out: list[Prompt] = []
+        for item in items:
             if isinstance(item, str):
-                out.append(await self.encode(item, "prompt"))
+                ids = await self.encode(item, req.add_special_tokens, "prompt")
+                text: str | None = item
             elif not item:
                 raise bad_request("prompt token id lists must not be empty", "prompt")
             else:
-                out.append(list(item))
+                ids, text = list(item), None
+                self.check_token_ids(ids, "prompt")
+            kept = self.truncate(ids, req.truncate_prompt_tokens)
+            if len(kept) < len(ids):
+                text = None
+            out.append(Prompt(kept, text))
+        if req.echo:
+            for pr in out:
+                pr.echo_text = pr.text if pr.text is not None else await self.lanes.decode(pr.ids)
         return out
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        tok = self.client.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if self.client.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         messages = req.template_messages()
-
-        def render() -> list[int]:
-            out = tok.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True
-            )
-            if isinstance(out, dict) or hasattr(out, "input_ids"):
-                out = out["input_ids"]
-            return list(out)
-
+        for i, m in enumerate(messages):
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(
+                    f"messages[{i}].content is not valid Unicode: {e.reason}",
+                    f"messages[{i}].content",
+                ) from None
         try:
-            return await self.client.run_tokenizer(render)
-        except Exception as e:  # jinja raises for conversations the template refuses
-            raise bad_request(f"the chat template rejected these messages: {e}", "messages") from e
+            return await self.lanes.render_chat(
+                messages, req.template_kwargs(), req.add_special_tokens
+            )
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+
+    def build_params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[Prompt],
+        requested: int | None,
+        field: str,
+        what: str,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        rename: dict[str, str],
+    ) -> list[SamplingParams]:
+        params: list[SamplingParams] = []
+        for p in prompts:
+            max_tokens = self.max_tokens_for(len(p.ids), requested, field, what)
+            try:
+                base = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+                base.validate_for_model(self.client.vocab_size, self.client.max_model_len)
+            except InvalidRequestError as e:
+                raise invalid(e, rename) from None
+            for i in range(req.n):
+                params.append(base if i == 0 else _with_seed(base, req.seed, i))
+        return params
 
     # -- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -166,23 +234,30 @@ class OpenAIServing:
         req.check()
         model = self.check_model(req.model)
         prompts = await self.completion_prompts(req)
-        rename = {"max_tokens": "max_tokens"}
+        # echo with max_tokens 0 scores the prompt: one token runs and is dropped (as vLLM)
+        requested = 1 if req.echo_only else req.max_tokens
         params = self.build_params(
-            req, prompts, req.max_tokens, "max_tokens", "prompt", req.logprobs, rename
-        )
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", model, req.logprobs)
+            req, prompts, requested, "max_tokens", "prompt", req.logprobs,
+            req.engine_prompt_logprobs, {},
+        )  # fmt: skip
+        fmt = CompletionFormat(_response_id("cmpl", req.request_id), model, req.logprobs)
         return await self._run(req, fmt, prompts, params, arrival, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         req.check()
         model = self.check_model(req.model)
-        prompt = await self.chat_prompt(req)
+        self.check_fanout(1, req.n)
+        text, ids = await self.chat_prompt(req)
+        prompt = Prompt(self.truncate(ids, req.truncate_prompt_tokens), text, req.echo_text())
         requested, field = req.requested_max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         rename = {"max_tokens": field, "logprobs": "top_logprobs"}
-        params = self.build_params(req, [prompt], requested, field, "messages", top, rename)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", model, top)
+        params = self.build_params(
+            req, [prompt], requested, field, "messages", top, req.prompt_logprobs, rename
+        )
+        prompt_text = text if req.return_prompt_text else None
+        fmt = ChatFormat(_response_id("chatcmpl", req.request_id), model, top, prompt_text)
         return await self._run(req, fmt, [prompt], params, arrival, raw)
 
     # -- shared driver ------------------------------------------------------------------------
@@ -190,32 +265,54 @@ class OpenAIServing:
         self,
         req: CompletionRequest | ChatCompletionRequest,
         fmt: ResponseFormat,
-        prompts: list[list[int]],
+        prompts: list[Prompt],
         params: list[SamplingParams],
         arrival: float,
         raw: Request,
     ) -> Response:
         n = req.n
-        engine_prompts = [ids for ids in prompts for _ in range(n)]
-        base_id = fmt.id
+        if self.draining:
+            raise ServerError("the server is shutting down", 503, code="shutting_down")
+        engine_prompts = [p.ids for p in prompts for _ in range(n)]
         try:
-            stream = await self.client.add(base_id, engine_prompts, params, arrival)
+            stream = await self.client.add(
+                f"req-{uuid.uuid4().hex}", engine_prompts, params, arrival
+            )
         except InvalidRequestError as e:
-            raise bad_request(str(e), e.param) from None
-        fmt.return_token_ids = req.return_token_ids
-        usage = UsageInfo(prompt_tokens=sum(len(p) for p in prompts))
-        states = [ChoiceState() for _ in engine_prompts]
+            raise invalid(e) from None
+        self._streams.add(stream)
+        fmt.return_token_ids = bool(req.return_token_ids)
+        fmt.tokens_as_ids = bool(req.return_tokens_as_token_ids)
+        usage = UsageInfo(prompt_tokens=sum(len(p.ids) for p in prompts))
+        echo_only = isinstance(req, CompletionRequest) and req.echo_only
+        states = [
+            ChoiceState(
+                prompt_token_ids=p.ids,
+                echo_text=p.echo_text,
+                echo_pending=True,
+                drop_tokens=echo_only,
+            )
+            for p in prompts
+            for _ in range(n)
+        ]
+        wants_echo_logprobs = (
+            isinstance(req, CompletionRequest) and req.echo and (req.logprobs is not None)
+        )
+        prompt_lps = FirstUpdate(self.lanes, req.prompt_logprobs is not None, wants_echo_logprobs)
         if req.stream:
             granularity = req.stream_granularity or self.granularity
-            body = self._sse(stream, fmt, states, usage, req.include_usage, granularity)
+            body = self._sse(
+                stream, fmt, states, usage, req.include_usage, req.continuous_usage, granularity,
+                prompt_lps,
+            )  # fmt: skip
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return _EngineStreamResponse(
                 body,
-                on_close=lambda: self.client.abort(stream.request_ids),
+                on_close=lambda: self._close(stream),
                 media_type="text/event-stream",
                 headers=headers,
             )
-        collect = asyncio.ensure_future(self._collect(stream, states))
+        collect = asyncio.ensure_future(self._collect(stream, states, prompt_lps))
         watch = asyncio.ensure_future(_until_disconnected(raw))
         try:
             done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -223,7 +320,7 @@ class OpenAIServing:
             watch.cancel()
             if not collect.done():
                 collect.cancel()
-                self.client.abort(stream.request_ids)  # the client left: free its KV now
+            self._close(stream)  # the client left: free its KV now; else a no-op
         if collect not in done:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         collect.result()  # raises the engine's ServerError, if any
@@ -231,15 +328,25 @@ class OpenAIServing:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return JSONResponse(fmt.full_response(states, usage).model_dump(mode="json"))
 
-    async def _collect(self, stream: RequestStream, states: list[ChoiceState]) -> None:
-        finished = False
-        try:
-            async for upd in stream.updates():
-                states[upd.index].add(upd.tokens, upd.finish_reason, upd.stop_reason)
-            finished = True
-        finally:
-            if not finished:
-                self.client.abort(stream.request_ids)
+    def _close(self, stream: RequestStream) -> None:
+        if stream in self._streams:
+            self._streams.discard(stream)
+            self.client.abort(stream.request_ids)  # a no-op for finished requests
+
+    def fail_in_flight(self, error: ServerError) -> int:
+        """End this app's requests still in the engine with `error` (the drain's deadline)."""
+        streams = list(self._streams)
+        for s in streams:
+            self.client.fail(s.request_ids, error)
+        return len(streams)
+
+    async def _collect(
+        self, stream: RequestStream, states: list[ChoiceState], prompt_lps: FirstUpdate
+    ) -> None:
+        async for upd in stream.updates():
+            state = states[upd.index]
+            await prompt_lps.apply(upd, state)
+            state.add(upd.tokens, upd.finish_reason, upd.stop_reason)
 
     async def _sse(
         self,
@@ -248,20 +355,32 @@ class OpenAIServing:
         states: list[ChoiceState],
         usage: UsageInfo,
         include_usage: bool,
+        continuous_usage: bool,
         granularity: str,
+        prompt_lps: FirstUpdate,
     ) -> AsyncIterator[str]:
-        finished = False
+        def usage_of(state: ChoiceState) -> UsageInfo:
+            p, c = len(state.prompt_token_ids), state.num_tokens
+            return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
         try:
             for chunk in fmt.first_chunks(len(states)):
                 yield _event(chunk.model_dump_json())
             async for upd in stream.updates():
+                state = states[upd.index]
+                if state.echo_pending:
+                    state.echo_pending = False
+                    await prompt_lps.apply(upd, state)
+                    echo = fmt.echo_chunk(upd.index, state)
+                    if echo is not None:
+                        yield _event(echo.model_dump_json())
                 for tokens, last in _split(upd, granularity):
-                    state = states[upd.index]
                     state.add(tokens, upd.finish_reason if last else None, upd.stop_reason)
                     finish = upd.finish_reason if last else None
                     chunk = fmt.chunk(upd.index, tokens, state, finish)
+                    if continuous_usage:
+                        chunk.usage = usage_of(state)
                     yield _event(chunk.model_dump_json())
-            finished = True
             if include_usage:
                 usage.completion_tokens = sum(s.num_tokens for s in states)
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -273,9 +392,39 @@ class OpenAIServing:
             yield _event(internal_error(e).response().model_dump_json())
         finally:
             # runs on normal end, on error, and when Starlette cancels us on client disconnect
-            if not finished:
-                self.client.abort(stream.request_ids)
+            self._close(stream)
         yield "data: [DONE]\n\n"
+
+
+class FirstUpdate:
+    """Turns the prompt logprobs of a choice's first update into what the request asked for:
+    the `prompt_logprobs` field, and (completions, echo with logprobs) the prompt's tokens at
+    the head of the logprobs. Token texts are decoded in a tokenizer lane."""
+
+    def __init__(self, lanes: TokenizerLanes, field: bool, echo: bool) -> None:
+        self.lanes, self.field, self.echo = lanes, field, echo
+
+    async def apply(self, upd: StepUpdate, state: ChoiceState) -> None:
+        raw = upd.prompt_logprobs
+        if raw is None or not (self.field or self.echo):
+            return
+        known: dict[int, str] = {}
+        for entry in raw:
+            for t, _, _, text in entry or ():
+                if text is not None:
+                    known[t] = text
+        need = {t for entry in raw for t, *_ in entry or ()} | set(state.prompt_token_ids)
+        missing = sorted(need - known.keys())
+        if missing:
+            known.update(zip(missing, await self.lanes.token_strings(missing)))
+        if self.field:
+            state.prompt_logprobs = prompt_logprobs_body(raw, known)
+        if self.echo:
+            state.set_echo_tokens(prompt_token_deltas(state.prompt_token_ids, raw, known))
+
+
+def _response_id(prefix: str, request_id: str | None) -> str:
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 class _EngineStreamResponse(StreamingResponse):
@@ -298,6 +447,7 @@ class _EngineStreamResponse(StreamingResponse):
 
 
 def _with_seed(base: SamplingParams, seed: int | None, i: int) -> SamplingParams:
+    """The i-th sample of a prompt (fanout.derive_seed: the offline API draws the same)."""
     sp = copy.copy(base)
     if seed is not None:
         sp.seed = derive_seed(seed, i)
@@ -328,13 +478,3 @@ async def _until_disconnected(raw: Request) -> None:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def parse_json_body(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    return data

@@ -33,6 +33,9 @@ class StepUpdate:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: ServerError | None = None
+    # with the first update, when prompt_logprobs was asked for: per prompt position, None or
+    # [(token id, logprob, rank, decoded text or None)] (the prompt token and the top-N)
+    prompt_logprobs: list[list[tuple[int, float, int | None, str | None]] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

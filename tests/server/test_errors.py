@@ -49,7 +49,7 @@ CASES = [
     ("stream_options without stream", "c", {"stream_options": {"include_usage": True}}, 400, "stream_options", ["stream"]),
     ("seed over 64 bits", "c", {"seed": 2**70}, 400, "seed", ["seed"]),
     ("bad stream_granularity", "c", {"stream_granularity": "word"}, 400, "stream_granularity", ["token"]),
-    ("logit_bias unsupported", "c", {"logit_bias": {"5": 1.0}}, 400, "logit_bias", ["logit_bias"]),
+    ("logit_bias key not a token id", "c", {"logit_bias": {"x5": 1.0}}, 400, "logit_bias", ["logit_bias"]),
     ("chat: no messages", "chat", {"messages": []}, 400, "messages", ["messages"]),
     ("chat: bad role", "chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", ["role"]),
     ("chat: top_logprobs without logprobs", "chat", {"top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
