@@ -89,12 +89,6 @@ class ModelConfig:
         return self.sliding_window
 
     @property
-    def max_window(self) -> int:
-        """The widest window over the layers; 0 when some layer sees its whole context."""
-        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
-        return 0 if 0 in windows else max(windows, default=0)
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

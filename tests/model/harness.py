@@ -17,6 +17,7 @@ def build_ctx(
     tables: list[list[int]],
     block_size: int,
     pad_rows: int = 0,
+    device: torch.device | str = "cpu",
 ) -> ForwardContext:
     """Context for rows = last q_lens[i] positions of each request, then `pad_rows` padding."""
     slots: list[int] = []
@@ -30,11 +31,11 @@ def build_ctx(
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(ql, 0)
     return ForwardContext(
-        query_lens=ql,
-        cu_query_lens=cu,
-        context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-        block_tables=bt,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens=ql.to(device),
+        cu_query_lens=cu.to(device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=bt.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(q_lens),
         max_context_len=max(ctx_lens),
         query_lens_cpu=list(q_lens),
@@ -53,15 +54,17 @@ class PagedRunner:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(device)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # NaN-filled: any read of a slot that was never written poisons the result visibly.
         self.caches = [
             KVCache(
-                torch.full(shape, float("nan"), dtype=dtype),
-                torch.full(shape, float("nan"), dtype=dtype),
+                torch.full(shape, float("nan"), dtype=dtype, device=device),
+                torch.full(shape, float("nan"), dtype=dtype, device=device),
             )
             for _ in range(config.num_hidden_layers)
         ]
@@ -87,10 +90,10 @@ class PagedRunner:
             pos += range(start, end)
         ids += [0] * pad_rows
         pos += [0] * pad_rows
-        ctx = build_ctx(q_lens, ctx_lens, tables, self.block_size, pad_rows)
+        ctx = build_ctx(q_lens, ctx_lens, tables, self.block_size, pad_rows, self.device)
         return self.model(
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(pos, dtype=torch.int64),
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(pos, dtype=torch.int64, device=self.device),
             self.caches,
             ctx,
         )

@@ -104,3 +104,68 @@ def test_rope_scalings_match_transformers() -> None:
         want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg, torch.device("cpu"))
         got = rope_inv_freq(128, 500000.0, scaling)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# Window settings as config.json may carry them; the expected per-layer windows come from the
+# transformers config class itself (what its modeling code reads), not from our own rules.
+WINDOW_CONFIGS = [
+    ("MistralForCausalLM", {"sliding_window": 4096}),
+    ("MistralForCausalLM", {"sliding_window": None}),
+    ("MistralForCausalLM", {}),  # absent: the class default (4096)
+    ("MistralForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"] * 4}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 8}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 9}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 0}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": None}),
+    (
+        "Qwen3ForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+    (
+        "Qwen3ForCausalLM",
+        {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4},
+    ),
+    ("LlamaForCausalLM", {"sliding_window": 8}),  # Llama's modeling has no window
+]
+
+
+def _hf_layer_windows(arch: str, fields: dict) -> list[int]:
+    import transformers
+
+    if arch == "LlamaForCausalLM":
+        return [0] * 4
+    hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        **{**BASE, "num_hidden_layers": 4, **fields}
+    )
+    if hf.sliding_window is None:
+        return [0] * 4
+    if arch == "MistralForCausalLM":  # MistralAttention: config.sliding_window, every layer
+        return [hf.sliding_window] * 4
+    return [hf.sliding_window if t == "sliding_attention" else 0 for t in hf.layer_types]
+
+
+@pytest.mark.parametrize(("arch", "fields"), WINDOW_CONFIGS)
+def test_sliding_window_layers_match_transformers(arch: str, fields: dict) -> None:
+    cfg = ModelConfig.from_hf({**BASE, "num_hidden_layers": 4, "architectures": [arch], **fields})
+    windows = [cfg.layer_window(i) for i in range(4)]
+    assert windows == _hf_layer_windows(arch, fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"sliding_window": 0}, "sliding_window=0"),
+        ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "layer_types has 1"),
+        ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 2}, "chunked_attention"),
+    ],
+)
+def test_bad_window_settings_are_load_errors(fields: dict, match: str) -> None:
+    with pytest.raises(ModelLoadError, match=match):
+        ModelConfig.from_hf(
+            {**BASE, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, **fields}
+        )
