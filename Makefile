@@ -19,12 +19,12 @@ run: install
 	$(VENV)/bin/specserve generate "$(PROMPT)" --max-tokens 128
 
 lint: install
-	$(VENV)/bin/ruff check specserve tests
-	$(VENV)/bin/ruff format --check specserve tests
+	$(VENV)/bin/ruff check specserve tests tools
+	$(VENV)/bin/ruff format --check specserve tests tools
 
 format: install
-	$(VENV)/bin/ruff format specserve tests
-	$(VENV)/bin/ruff check --fix specserve tests
+	$(VENV)/bin/ruff format specserve tests tools
+	$(VENV)/bin/ruff check --fix specserve tests tools
 
 # pytest exits 5 when no test ran: that fails the target like any other failure
 test: install lint
@@ -32,7 +32,7 @@ test: install lint
 
 # What GPU runs carry to the device machine (tokenizer + ShareGPT pairs; see the module).
 devcarry: install
-	$(PY) -m specserve.bench.devcarry
+	$(PY) tools/devcarry.py
 	grep -qx '.devcarry' .git/info/exclude 2>/dev/null || echo .devcarry >> .git/info/exclude
 
 clean:

@@ -24,9 +24,9 @@ case ${1:-decode} in
   sweep08) $S $SWEEP --acceptance-rate 0.8 --json "$OUT/spec_sweep_golden_r08.json" --plot "$OUT/spec_sweep_golden_r08.png" ;;
   curve)
     $S bench golden-curve --model dummy:llama-3.1-8b --k 4 --acceptance-rates 0,0.5,0.8,1.0 --batch-sizes 1,16,64 --input-len 128 --max-tokens 256 --repeats 2 --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 16 --json "$OUT/golden_curve_llama8b.json" --plot "$OUT/golden_curve_llama8b.png" ;;
-  idle) $S bench idle --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json" ;;
+  idle) python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json" ;;
   profile)
-    $S bench profile --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
-    $S bench profile --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
+    python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
+    python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
   *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | curve | idle | profile)" >&2; exit 2 ;;
 esac

@@ -80,14 +80,6 @@ def _add_subcommands(sub: Any) -> None:
     add_sweep_parser(sub)
     add_golden_curve_parser(sub)
     add_plot_parser(sub)
-    from specserve.bench import device_idle, profile_step
-
-    device_idle.add_args(
-        sub.add_parser("idle", help="device idle between steps, overlap on vs off (CUDA)")
-    )
-    profile_step.add_args(
-        sub.add_parser("profile", help="kernels of a decode step by device time (CUDA)")
-    )
     try:
         from specserve.bench.serve import add_serve_bench
 
@@ -205,14 +197,6 @@ def run_bench(args: argparse.Namespace) -> int:
             if path:
                 print(f"{what} written to {path}", file=sys.stderr)
         return rc
-    if args.bench_command == "idle":
-        from specserve.bench import device_idle
-
-        return device_idle.run(args)
-    if args.bench_command == "profile":
-        from specserve.bench import profile_step
-
-        return profile_step.run(args)
     if args.bench_command == "plot":
         from specserve.bench.plot_results import run_plot
 

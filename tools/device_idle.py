@@ -1,11 +1,11 @@
 """Device idle time between consecutive steps in steady decode, overlap on vs off (same run).
 
-    specserve bench idle --model dummy:llama-3.1-8b --batch 64 --json idle.json
+    python tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --json idle.json
 
 B requests of --input-len random tokens start together and decode --max-tokens tokens each
 (ignore_eos); CUDA events bracket every step (runner/timeline.py) and the summary covers the
 pure decode steps: idle = sum of gaps between one step's last queued work and the next step's
-first, as a share of the device time they span. Target (issue 5): < 5 % at batch 64.
+first, as a share of the device time they span.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Where the device time goes: kernels by total time.
 
-    specserve bench profile --model dummy:llama-3.1-8b --batch 1
-    specserve bench profile --model dummy:llama-3.1-8b --workload 256 --input-len 512 \
+    python tools/profile_step.py --model dummy:llama-3.1-8b --batch 1
+    python tools/profile_step.py --model dummy:llama-3.1-8b --workload 256 --input-len 512 \
         --input-len-min 32 --max-tokens 256
 
 Default: a few steady decode steps, run eagerly (--enforce-eager semantics: the very kernels the
 graph replays, each visible to the profiler), kernels grouped by name with their launches per
 step and share of the step's device time; --graphs profiles the graph replays as served
 (overlap on, --max-model-len sets the split-KV bound the graphs are captured with). With --workload N: a whole offline run of N random
-prompts with the engine's real settings (graphs, overlap), as `bench throughput` runs it, split
+prompts with the engine's real settings (graphs, overlap), as `specserve bench throughput` runs it, split
 into decode steps and the rest (prefill chunks) by device time, plus the kernels of the whole run.
 With --json, keeps it.
 """

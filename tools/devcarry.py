@@ -3,7 +3,7 @@
 the ShareGPT pairs. On the device: SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and
 SPECSERVE_CACHE=$PWD/.devcarry/cache (see benchmarks/h200.sh).
 
-    python -m specserve.bench.devcarry   (or: make devcarry)
+    python tools/devcarry.py   (or: make devcarry)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 import json
 
-from specserve.bench import device_idle
+from tools import device_idle
 
 
 def test_device_idle_writes_both_modes(tmp_path) -> None:
@@ -17,12 +17,8 @@ def test_device_idle_writes_both_modes(tmp_path) -> None:
     assert all(r["output_tokens"] == 12 for r in runs)
 
 
-def test_idle_and_profile_are_bench_subcommands(tmp_path) -> None:
-    from specserve.cli.main import main
-
+def test_one_mode_alone(tmp_path) -> None:
     path = tmp_path / "idle.json"
-    argv = ["bench", "idle", "--model", "dummy:tiny", "--batch", "2", "--input-len", "4"]
-    rc = main(
-        [*argv, "--max-tokens", "3", "--dtype", "float32", "--modes", "sync", "--json", str(path)]
-    )
+    argv = ["--model", "dummy:tiny", "--batch", "2", "--input-len", "4", "--max-tokens", "3"]
+    rc = device_idle.main([*argv, "--dtype", "float32", "--modes", "sync", "--json", str(path)])
     assert rc == 0 and json.loads(path.read_text())["runs"][0]["output_tokens"] == 6

@@ -1,0 +1,1 @@
+"""Developer diagnostics, outside the wheel: run as `python tools/NAME.py ...` from the repo root."""
