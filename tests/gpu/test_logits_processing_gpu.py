@@ -37,7 +37,7 @@ def _workload():
     rng = random.Random(0)
     base = [[rng.randrange(3, 49152) for _ in range(n)] for n in (6, 11, 40, 20)]
     prompts = [p * 3 for p in base]  # repeats: the n-gram drafter finds drafts
-    g = dict(max_tokens=40, ignore_eos=True)
+    g = dict(max_tokens=40, ignore_eos=True, temperature=0.0)
     s = dict(max_tokens=40, ignore_eos=True, temperature=1.0, seed=7)
     params = [
         SamplingParams(**g, allowed_token_ids=ALLOWED),
