@@ -274,6 +274,10 @@ class AsyncEngine:
             live = self._live.get(out.request_id)
             if live is None:  # aborted by its client: nobody listens
                 continue
+            if out.finish_reason == "error":  # the engine isolated this request's failure: a 500
+                updates.pop(out.request_id, None)  # for it alone (stop_reason says what failed)
+                self._fail([out.request_id], RuntimeError(out.stop_reason or "request failed"))
+                continue
             upd = updates.get(out.request_id)
             if upd is None:
                 upd = updates[out.request_id] = StepUpdate(live.index)

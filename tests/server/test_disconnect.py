@@ -97,42 +97,65 @@ def test_non_streaming_client_timeout_aborts(tiny: Served):
     assert _aborted(tiny) - before == 1
 
 
-class _FailOnce:
-    """Wraps runner.forward: the next call raises, later calls run normally."""
+POISON = 4321  # a token id whose prefill makes the (wrapped) forward raise
+
+
+class _Poisoned:
+    """Wraps runner.forward: raises whenever the step's inputs hold the POISON token, so the
+    failure follows one request wherever the engine schedules it."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.forward, self.armed = runner, runner.forward, True
+        self.runner, self.forward = runner, runner.forward
 
-    def __call__(self, *args, **kwargs):
-        if self.armed:
-            self.armed = False
+    def __call__(self, inputs, *args, **kwargs):
+        ids = getattr(inputs, "input_ids", None)
+        if ids is not None and bool((ids == POISON).any()):
             raise RuntimeError("injected failure")
-        return self.forward(*args, **kwargs)
+        return self.forward(inputs, *args, **kwargs)
 
 
 def _arm(srv: Served) -> None:
-    srv.server.client.call_sync(lambda eng: setattr(eng.runner, "forward", _FailOnce(eng.runner)))
+    srv.server.client.call_sync(lambda eng: setattr(eng.runner, "forward", _Poisoned(eng.runner)))
 
 
 def _disarm(srv: Served) -> None:
     def restore(eng) -> None:
-        if isinstance(eng.runner.forward, _FailOnce):
+        if isinstance(eng.runner.forward, _Poisoned):
             eng.runner.forward = eng.runner.forward.forward
 
     srv.server.client.call_sync(restore)
 
 
 def test_engine_failure_fails_only_its_requests(tiny: Served):
+    """A request whose inputs make the step fail gets a 500 (or a stream error event); a request
+    batched with it gets exactly its normal output."""
     client = tiny.openai()
+    bystander = {"model": tiny.model, "prompt": "bystander", "max_tokens": 12, "temperature": 0,
+                 "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = client.completions.create(**bystander).choices[0].text
+    poison = [11, POISON, 12]
+
+    async def together() -> tuple[str, BaseException | None]:
+        aclient = tiny.async_openai()
+
+        async def bad() -> BaseException | None:
+            try:
+                await aclient.completions.create(model=tiny.model, prompt=poison, max_tokens=4)
+            except openai.InternalServerError as e:
+                return e
+            return None
+
+        good, err = await asyncio.gather(aclient.completions.create(**bystander), bad())
+        return good.choices[0].text, err
+
     try:
         _arm(tiny)
-        with pytest.raises(openai.InternalServerError) as e:
-            client.completions.create(model=tiny.model, prompt="boom", max_tokens=4)
-        assert "injected failure" in e.value.body["message"]
-        assert e.value.body["type"] == "internal_server_error"
-        _arm(tiny)
+        text, err = asyncio.run(together())
+        assert text == alone
+        assert err is not None and "injected failure" in err.body["message"]
+        assert err.body["type"] == "internal_server_error"
         stream = client.completions.create(
-            model=tiny.model, prompt="boom", max_tokens=4, stream=True
+            model=tiny.model, prompt=poison, max_tokens=4, stream=True
         )
         with pytest.raises(openai.APIError, match="injected failure"):
             for _ in stream:
