@@ -1,4 +1,6 @@
-"""Sliding-window attention in the Triton kernel against the torch reference.
+"""Sliding-window attention on CUDA: the Triton kernel against the torch reference, and tiny
+sliding-window checkpoints (tests/model/sliding.py) against transformers through the Triton
+path, CUDA graphs, chunked prefill and speculation.
 
 Windows from 1 key to more than the context, decode / verify / prefill rows (prefill chunks
 longer than the window, so a tile's rows see different key ranges), forced split counts and
@@ -11,13 +13,18 @@ so a kernel that loads one fails visibly: such blocks may have been freed and re
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
+from specserve.model.loader import load_model
 from specserve.ops import triton_attention
 from specserve.ops.triton_attention import TileConfig, key_bound
 from tests.gpu.conftest import interpreting
 from tests.gpu.test_triton_attention import DTYPES, check_attention, make_case
+from tests.model import sliding
 
 
 def _cases() -> dict[str, tuple[list[int], list[int], dict]]:
@@ -85,3 +92,41 @@ def test_window_bounds_the_keys_a_tile_reads() -> None:
     assert key_bound(32768, 4096, 1) == 4096
     assert key_bound(32768, 4096, 8) == 4103
     assert key_bound(100, 4096, 8) == 100
+
+
+# -- whole models vs transformers ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sw_dirs(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> dict[str, Path]:
+    return sliding.save_dirs(tmp_path_factory.mktemp("tiny_sliding_gpu"), default_tokenizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(sliding.FAMILIES))
+def test_model_logits_match_hf_on_cuda(cuda, sw_dirs, family):
+    """Every row's logits through the Triton kernels (fp32: true fp32 products) vs HF on CPU."""
+    if cuda.type != "cuda":
+        pytest.skip("the CPU run of these checks is tests/model/test_sliding_window.py")
+    path = sw_dirs[family]
+    ours = load_model(str(path), torch.float32, cuda, progress=False)
+    ref = sliding.hf_reference(sliding.load_hf(path), ours.config.vocab_size)
+    for chunk in (None, 3, 11):
+        sliding.check_logits(ours.model, ours.config, ref, chunk, cuda, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(sliding.FAMILIES))
+def test_engine_on_cuda_matches_hf(cuda, sw_dirs, family):
+    """The CUDA engine (graphs for decode/verify, chunked prefill, n-gram and draft-model
+    speculation, overlap with the device drafter) emits HF's greedy tokens."""
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    path = sw_dirs[family]
+    hf = sliding.load_hf(path)
+    graphs = sliding.check_engine_greedy(
+        family, path, hf, hf.config.vocab_size, device="cuda", block_size=8,
+        max_num_seqs=8, max_model_len=256, kv_cache_memory_gb=0.25,
+    )  # fmt: skip
+    assert all(g is not None and g.num_replays > 0 for g in graphs)
+    assert graphs[2].num_verify_replays > 0  # the draft model verifies through the graphs
