@@ -31,6 +31,12 @@ def _bad(message: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(message, param)
 
 
+def _show(x: Any) -> str:
+    """A value for an error message, cut short (a user's 10**400 is 401 digits)."""
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -38,10 +44,10 @@ def _is_int(x: Any) -> bool:
 def _int(x: Any, name: str, lo: int | None = None, hi: int | None = None, what: str = "") -> int:
     """x as a Python int, or InvalidRequestError unless it is an int (not a bool) in [lo, hi]."""
     if not _is_int(x):
-        raise _bad(f"{name} must be an integer, got {type(x).__name__} {x!r}", name)
+        raise _bad(f"{name} must be an integer, got {type(x).__name__} {_show(x)}", name)
     x = int(x)
     if (lo is not None and x < lo) or (hi is not None and x > hi):
-        raise _bad(f"{name} must be {what or _range(lo, hi)}, got {x}", name)
+        raise _bad(f"{name} must be {what or _range(lo, hi)}, got {_show(x)}", name)
     return x
 
 
@@ -56,19 +62,19 @@ def _range(lo: float | None, hi: float | None) -> str:
 def _float(x: Any, name: str) -> float:
     """x as a finite Python float (ints accepted, bools and non-numbers refused)."""
     if not isinstance(x, numbers.Real) or isinstance(x, bool):
-        raise _bad(f"{name} must be a number, got {type(x).__name__} {x!r}", name)
+        raise _bad(f"{name} must be a number, got {type(x).__name__} {_show(x)}", name)
     try:
         f = float(x)
     except OverflowError:  # an int too large for a float
         f = math.inf
     if not math.isfinite(f) or abs(f) > FLOAT32_MAX:
-        raise _bad(f"{name} must be a finite number, got {x!r}", name)
+        raise _bad(f"{name} must be a finite number, got {_show(x)}", name)
     return f
 
 
 def _bool(x: Any, name: str) -> bool:
     if not isinstance(x, bool):
-        raise _bad(f"{name} must be a boolean, got {type(x).__name__} {x!r}", name)
+        raise _bad(f"{name} must be a boolean, got {type(x).__name__} {_show(x)}", name)
     return x
 
 

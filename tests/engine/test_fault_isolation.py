@@ -300,3 +300,39 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(sync_llm):
     while eng.has_unfinished():
         eng.step()
     assert_idle(eng)
+
+
+def test_the_server_answers_only_the_failed_request_with_a_500():
+    pytest.importorskip("fastapi")
+    import asyncio
+    import time
+
+    from specserve.server.async_engine import AsyncEngine
+    from specserve.server.errors import ServerError
+
+    eng = make_llm(max_num_seqs=4).engine
+    real_plan = eng.sampler.plan
+
+    def plan(seqs, drafts):
+        if any(s.request_id.startswith("bad") for s in seqs):
+            raise RuntimeError("boom")
+        return real_plan(seqs, drafts)
+
+    eng.sampler.plan = plan
+    client = AsyncEngine(eng)
+
+    async def one(base):
+        stream = await client.add(base, [[5, 6, 7]], [GREEDY], time.perf_counter())
+        return [t.token_id async for u in stream.updates() for t in u.tokens if t.token_id >= 0]
+
+    async def both():
+        return await asyncio.gather(one("good"), one("bad"), return_exceptions=True)
+
+    try:
+        good, bad = asyncio.run(both())
+        state = client.call_sync(client.idle_state, timeout=30)
+    finally:
+        client.shutdown()
+    assert len(good) == 10
+    assert isinstance(bad, ServerError) and bad.status == 500 and "boom" in bad.message
+    assert state["used_blocks"] == 0 and state["live"] == 0
