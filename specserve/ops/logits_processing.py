@@ -43,7 +43,10 @@ def apply_logits_processing(logits: torch.Tensor, proc: LogitsProcessing) -> tor
     -inf at -inf.
     """
     vocab = logits.shape[1]
-    out = logits.to(torch.float32, copy=True)  # [N, V]
+    # a fresh contiguous float32 copy: the caller keeps the raw logits (logprobs), and the flat
+    # view below needs row-major storage whatever the input's strides
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [N, V]
+    out.copy_(logits)
     flat = out.view(-1)  # [N * V], shares out's storage
     if proc.bias is not None:
         rows, cols, values = proc.bias

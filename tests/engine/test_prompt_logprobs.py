@@ -138,3 +138,25 @@ def test_prompt_logprobs_equal_the_logprobs_of_the_same_tokens_as_outputs(chunke
     for i, t in enumerate(tail):
         assert out.logprobs[i][t].logprob == pytest.approx(scored[10 + i][t].logprob, abs=1e-4)
         assert out.logprobs[i][t].rank == scored[10 + i][t].rank
+
+
+def test_preemption_leaves_prompt_logprobs_whole() -> None:
+    """KV for a few requests only: requests are preempted (some mid-prefill, some after their
+    first token) and recomputed; their prompt logprobs and outputs are those of a roomy run."""
+    prompts = prompts_of([30] * 6, seed=11)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    roomy = make_llm(max_num_seqs=6).generate(prompts, sp, use_tqdm=False)
+    tight = make_llm(
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+        kv_cache_memory_gb=12 * 8192 / 2**30,
+        enable_prefix_caching=False,
+        debug_invariants=True,
+    ).generate(prompts, sp, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in tight) > 0
+    for a, b in zip(roomy, tight):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == 30 and b.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
