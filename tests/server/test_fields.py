@@ -126,6 +126,12 @@ def test_echo_prepends_the_prompt(tiny: Served):
     )
     events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == PROMPT + plain
+    body = {"model": tiny.model, "messages": CHAT_MSGS, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    r = post(tiny, "/v1/chat/completions", body)
+    events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e.get("usage")]
+    assert counts == sorted(counts) and counts[-1] == 4
     r = post(tiny, "/v1/completions", {"model": tiny.model, "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
