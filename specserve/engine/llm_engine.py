@@ -443,12 +443,13 @@ class LLMEngine:
             return None
         batch = self.scheduler.schedule(only={s.request_id for s in group})
         self.pool.release_through(batch.step - 2)
-        outputs = self._take_terminal(batch.step)
         if batch.is_empty:
-            # the group cannot run alone now (the requests waiting hold the KV it needs): end
-            # the search; it runs with the others again, and a new search starts if it fails
+            # the group cannot run alone now (requests outside it hold the KV or the places it
+            # needs): end the search; it runs with the others again, and a new search starts if
+            # it fails. Ended before the terminal outputs are taken: if it raises, none is lost
             self._end_isolation()
-            return outputs
+            return self._take_terminal(batch.step)
+        outputs = self._take_terminal(batch.step)
         self.num_steps += 1
         self.num_sync_steps += 1
         try:
