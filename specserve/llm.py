@@ -8,6 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specserve.chat import (
+    TOOLS_UNSUPPORTED,
+    check_template_kwargs,
+    render_chat,
+    template_messages,
+)
 from specserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
@@ -195,26 +201,77 @@ class LLM:
             head, outputs=outputs, finished=all(r.finished for r in results), metrics=metrics
         )
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template", "messages")
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """A conversation's prompt token ids under the model's chat template (vLLM's rules)."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        kwargs = check_template_kwargs(chat_template_kwargs)
+        kwargs["add_generation_prompt"] = add_generation_prompt
+        kwargs["continue_final_message"] = continue_final_message
+        _, ids = render_chat(
+            self.tokenizer, template_messages(messages), kwargs, add_special_tokens, chat_template
         )
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return ids
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation or a list of them. Text content (a string or text
+        parts) only; tools, LoRA and multimodal arguments are refused by name."""
+        if tools:
+            raise InvalidRequestError(f"tools: {TOOLS_UNSUPPORTED}", "tools")
+        if lora_request is not None:
+            raise InvalidRequestError(
+                "lora_request: LoRA adapters are not supported", "lora_request"
+            )
+        if mm_processor_kwargs:
+            raise InvalidRequestError(
+                "mm_processor_kwargs: multimodal input is not supported", "mm_processor_kwargs"
+            )
+        if chat_template_content_format not in ("auto", "string"):  # text parts are joined
+            raise InvalidRequestError(
+                "chat_template_content_format must be 'auto' or 'string', got "
+                f"{chat_template_content_format!r}",
+                "chat_template_content_format",
+            )
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate(
-            [self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm
-        )
+        prompts = [
+            self.apply_chat_template(
+                c,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(
         self,

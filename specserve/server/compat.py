@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.chat import TOOLS_UNSUPPORTED
 from specserve.server.errors import bad_request
 
 Check = Callable[[Any], bool]  # the raw value -> does it ask for an unsupported feature?
@@ -51,7 +52,7 @@ class Refused:
 
 
 _STRUCTURED = "structured outputs are not supported yet"
-_TOOLS = "tool calling is not supported yet"
+_TOOLS = TOOLS_UNSUPPORTED
 
 # both endpoints
 COMMON: tuple[Refused, ...] = (
@@ -116,11 +117,6 @@ CHAT: tuple[Refused, ...] = (
     Refused("prediction", "predicted outputs are not supported", _set),
     Refused("web_search_options", "web search is not supported", _set),
     Refused("verbosity", "verbosity is not supported", _not("medium")),
-)
-
-# chat_template_kwargs keys that would collide with the renderer's own arguments
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"chat_template", "conversation", "tokenize", "return_dict", "tools", "tokenizer_kwargs"}
 )
 
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from specserve.chat import RESERVED_TEMPLATE_KWARGS
 from specserve.sampling_params import SamplingParams
-from specserve.server.compat import RESERVED_TEMPLATE_KWARGS
 from specserve.server.errors import bad_request
 
 INT32_MAX = 2**31 - 1

@@ -6,7 +6,7 @@ SMALL_INPUT_CHARS go to one thread, bigger ones to another with its own copy of 
 (HF fast tokenizers are not meant to encode from two threads at once). Inputs are bounded in
 characters before any tokenizing, so one request cannot keep a lane busy for long.
 
-`render_chat` does not import the server's dependencies, so the offline API can share it.
+Chat templates are rendered by `specserve.chat.render_chat`, which the offline API shares.
 """
 
 from __future__ import annotations
@@ -17,35 +17,12 @@ import copy
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from specserve.chat import render_chat
 from specserve.sampling_params import InvalidRequestError
 
 T = TypeVar("T")
 SMALL_INPUT_CHARS = 16_384
 CHARS_PER_TOKEN_BOUND = 32  # no tokenizer we serve packs more characters into one token
-
-
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    template_kwargs: dict[str, Any],
-    add_special_tokens: bool = False,
-) -> tuple[str, list[int]]:
-    """(prompt text, token ids) of a conversation under the model's chat template.
-
-    template_kwargs carries add_generation_prompt / continue_final_message and whatever else
-    the template reads (chat_template_kwargs). The text is rendered, then tokenized with
-    add_special_tokens (False: only the special tokens the template writes), as vLLM does."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model has no chat template; use completions", "messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
-    except Exception as e:  # jinja raises for conversations the template refuses
-        raise InvalidRequestError(
-            f"the chat template rejected these messages: {e}", "messages"
-        ) from None
-    if not isinstance(text, str):  # a batch-shaped answer from an unusual template
-        raise InvalidRequestError("the chat template did not render a single prompt", "messages")
-    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 class TokenizerLanes:
