@@ -194,11 +194,12 @@ class Scheduler:
 
     def roll_back(self, batch: StepBatch, undo_pending: bool) -> None:
         """Undo a step that was scheduled but will never reach the ledger (it failed): each of
-        its requests' KV ledger goes back to where the step's rows began, and the blocks grown
-        for them are released. The KV before that is untouched (a step writes only its own
-        rows), so re-running the request from here is exact. Roll back the newest step first
-        when several are undone. undo_pending: the step was launched overlapped, so it counted
-        one pending token for each request it samples."""
+        its requests' KV ledger goes back to where the step's rows began. The KV before that is
+        untouched (a step writes only its own rows), so re-running the request from there is
+        exact. The blocks grown for the step stay in its table, where the re-run needs them
+        (and where a draft model's KV for those positions still is); finishing frees them.
+        Roll back the newest step first when several are undone. undo_pending: the step was
+        launched overlapped, so it counted one pending token for each request it samples."""
         for seq, start, epoch, samples in zip(
             batch.seqs, batch.starts, batch.epochs, batch.samples
         ):
@@ -207,7 +208,6 @@ class Scheduler:
             if undo_pending and samples:
                 seq.num_pending = max(0, seq.num_pending - 1)
             seq.num_computed_tokens = start
-            self.bm.truncate(seq.block_table, start)
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """Under overlap: the step in flight already takes the request to max_tokens or

@@ -20,6 +20,12 @@ NGRAM = {
     "prompt_lookup_min": 1,
     "verify_budget": "off",
 }
+SELF_DRAFT = {
+    "method": "draft_model",
+    "num_speculative_tokens": 3,
+    "model": "self",
+    "verify_budget": "off",
+}
 
 
 def assert_idle(eng) -> None:
@@ -186,15 +192,26 @@ def test_a_failure_while_building_the_step_is_isolated(overlap):
     assert res[2][1] == "error" and res[2][0] == ref[2][:2]
 
 
-def test_isolation_with_speculation_keeps_greedy_outputs(sync_llm):
-    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM, debug_invariants=True)
-    eng = llm.engine
+@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
+def test_isolation_with_speculation_keeps_greedy_outputs(sync_llm, spec):
+    """Mid-run, after drafts were verified and the draft model's KV grown: the rolled-back
+    step's drafts are verified again, and the others' outputs are unchanged."""
+    eng = make_llm(max_num_seqs=8, speculative_config=spec, debug_invariants=True).engine
     base = prompts_of([6, 5, 7], seed=41)
     prompts = [p * 4 for p in base] + [base[0]]  # repeats: the n-gram drafter finds drafts
     ref = reference(sync_llm.engine, prompts[:3], [GREEDY] * 3)
-    res = run(eng, prompts, [GREEDY] * 3 + [sampled(3)], lambda i, s: i == 3 and huge_top_k(s))
+    real_plan = eng.sampler.plan
+    victim = {}
+
+    def plan(seqs, drafts):
+        if any(s is victim.get("seq") and s.num_output_tokens >= 4 for s in seqs):
+            raise RuntimeError("late boom")
+        return real_plan(seqs, drafts)
+
+    eng.sampler.plan = plan
+    res = run(eng, prompts, [GREEDY] * 4, lambda i, s: i == 3 and victim.update(seq=s))
     assert [r[0] for r in res[:3]] == ref
-    assert res[3][1] == "error"
+    assert res[3][1] == "error" and len(res[3][0]) >= 4
     assert eng.ledger.spec.num_draft_tokens > 0  # speculation did run
 
 
