@@ -18,7 +18,7 @@ from specserve.config import EngineConfig
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
-from specserve.engine.isolation import EngineStepError, FaultIsolation
+from specserve.engine.isolation import FaultIsolation
 from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
@@ -38,8 +38,6 @@ from specserve.spec.step_timer import StepTimer
 log = logging.getLogger("specserve.engine")
 _FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
 
-__all__ = ["EngineStepError", "LLMEngine"]
-
 
 class _WorkerStep:
     """A step whose device part runs in the CPU worker thread: waits for it, then for its
@@ -53,14 +51,6 @@ class _WorkerStep:
         return sampled.wait() if sampled is not None else None
 
 
-def _settle(launched: LaunchedStep) -> None:
-    """A launched step that will be rolled back: let its device part finish first, whatever its
-    outcome (the CPU worker may still be writing its KV rows). On CUDA nothing to wait for: a
-    step re-run later is queued behind it on the same stream, so its own writes land last."""
-    if isinstance(launched.sampled, _WorkerStep):
-        launched.sampled.future.exception()  # waits; the failure is the step's, discarded
-
-
 class LaunchedStep(NamedTuple):
     batch: StepBatch
     seqs: list[Sequence]  # its sampling requests, in verify-layout order
@@ -68,6 +58,14 @@ class LaunchedStep(NamedTuple):
     t0: float  # host time at launch (the step-cost curve)
     overlapped: bool  # processed at the next step() (its ledger one step late)
     behind: bool  # launched while its predecessor was still in flight (device queue never empty)
+
+
+def _settle(launched: LaunchedStep) -> None:
+    """A launched step that will be rolled back: let its device part finish first, whatever its
+    outcome (the CPU worker may still be writing its KV rows). On CUDA nothing to wait for: a
+    step re-run later is queued behind it on the same stream, so its own writes land last."""
+    if isinstance(launched.sampled, _WorkerStep):
+        launched.sampled.future.exception()  # waits; the failure is the step's, discarded
 
 
 @dataclass
@@ -332,8 +330,8 @@ class LLMEngine:
 
         A step that fails before the ledger is rolled back and its requests searched for the
         ones whose inputs caused it (isolation.py): only those end, with finish_reason "error";
-        the others continue as if nothing had happened. Raises EngineStepError when no
-        request's inputs explain a failure."""
+        the others continue as if nothing had happened. Raises isolation.EngineStepError when
+        no request's inputs explain a failure."""
         t_start = time.perf_counter()
         if self.step_timer is not None:
             self.step_timer.begin_step(t_start)
