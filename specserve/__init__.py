@@ -1,5 +1,6 @@
 """specserve: speculative decoding with variable-length verification and an exact output ledger."""
 
+from specserve.engine.isolation import EngineStepError
 from specserve.engine.outputs import CompletionOutput, RequestOutput
 from specserve.inputs import TextPrompt, TokensPrompt
 from specserve.sampling_params import InvalidRequestError, SamplingParams
@@ -7,6 +8,7 @@ from specserve.sampling_params import InvalidRequestError, SamplingParams
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineStepError",
     "InvalidRequestError",
     "RequestOutput",
     "SamplingParams",

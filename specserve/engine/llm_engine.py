@@ -175,7 +175,7 @@ class LLMEngine:
         )
         self.pool = OutputPool(cap)
         self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
-        self.sampler = StepSampler(self.device, eos)
+        self.sampler = StepSampler(self.device, eos, self.model_config.vocab_size)
         self.requests: dict[str, Sequence] = {}
         self._terminal: list[Sequence] = []  # ended without a token; reported next step
         self._rng = random.Random(config.seed)

@@ -190,5 +190,7 @@ class OutputAccumulator:
             [comp],
             self.finish_reason is not None,
             self.metrics,
+            # a request the engine ended for its own inputs (finish_reason "error") says why
+            error=str(self.stop_reason) if self.finish_reason == "error" else None,
             prompt_logprobs=self.prompt_logprobs,
         )

@@ -102,9 +102,10 @@ class SampledStep:
 
 
 class StepSampler:
-    def __init__(self, device: torch.device, eos_ids: frozenset[int]) -> None:
+    def __init__(self, device: torch.device, eos_ids: frozenset[int], vocab_size: int) -> None:
         self.device = device
         self.eos_ids = sorted(eos_ids)
+        self.vocab_size = vocab_size
 
     def layout(self, seqlens_q: list[int]) -> RowLayout:
         t = h2d(seqlens_q, torch.int64, self.device)
@@ -247,6 +248,9 @@ class StepSampler:
             n_out = seq.num_output_tokens + seq.num_pending
             if p.min_tokens > n_out:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+                if any(not 0 <= t < self.vocab_size for t in banned):
+                    # a flat index past the row would mask a token of the next request's row
+                    raise IndexError(f"{seq.request_id}: stop_token_ids outside the vocabulary")
                 for j in range(min(len(d) + 1, p.min_tokens - n_out)):
                     rows.extend([row + j] * len(banned))
                     cols.extend(banned)

@@ -353,3 +353,29 @@ def test_the_server_answers_only_the_failed_request_with_a_500():
     assert len(good) == 10
     assert isinstance(bad, ServerError) and bad.status == 500 and "boom" in bad.message
     assert state["used_blocks"] == 0 and state["live"] == 0
+
+
+def test_offline_results_say_why_a_request_failed(sync_llm, monkeypatch):
+    from specserve.runner import step_sampler
+
+    real = step_sampler.StepSampler._min_tokens_mask
+    poisoned: set[str] = set()
+
+    def mask(self, seqs, drafts):
+        if any(s.request_id in poisoned for s in seqs):
+            raise IndexError("poisoned request")
+        return real(self, seqs, drafts)
+
+    monkeypatch.setattr(step_sampler.StepSampler, "_min_tokens_mask", mask)
+    engine_add = sync_llm.engine.add_request
+
+    def add(prompt, params, *a, **kw):
+        seq = engine_add(prompt, params, *a, **kw)
+        if list(prompt)[:1] == [7]:
+            poisoned.add(seq.request_id)
+        return seq
+
+    monkeypatch.setattr(sync_llm.engine, "add_request", add)
+    outs = sync_llm.generate([[7, 8, 9], [3, 4, 5]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "poisoned" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "length" and outs[1].error is None
