@@ -1,0 +1,371 @@
+"""EAGLE-3 draft head: one Llama decoder layer over the target's fused hidden states.
+
+Parameter names are the checkpoint names vLLM (`llama_eagle3.py`, `Eagle3LlamaForCausalLM`) and
+SGLang (`llama_eagle3.py`, `LlamaForCausalLMEagle3`) load, so `state_dict()` is the file:
+
+    fc.weight                                   [H, 3 Ht]  fuses the low/mid/high target layers
+    midlayer.input_layernorm.weight             [H]        norm of the token embedding
+    midlayer.hidden_norm.weight                 [H]        norm of the (fused) hidden state
+    midlayer.self_attn.{q,k,v}_proj.weight      [heads * D, 2H]  input cat(embed, hidden)
+    midlayer.self_attn.o_proj.weight            [H, heads * D]
+    midlayer.post_attention_layernorm.weight    [H]
+    midlayer.mlp.{gate,up}_proj.weight          [I, H];  midlayer.mlp.down_proj.weight [H, I]
+    norm.weight                                 [H]
+    lm_head.weight                              [draft_vocab, H]
+    d2t                                         [draft_vocab] int64: target id = draft + d2t
+    t2d                                         [vocab] bool: target ids in the draft vocab
+    embed_tokens.weight (optional)              [vocab, H]; absent: the target's embedding
+
+One step: residual = h (hidden_norm(h) with `norm_before_residual`), x = cat(input_layernorm(
+e(token)), hidden_norm(h)); residual += o_proj(attn(x)); prenorm = residual +
+mlp(post_attention_layernorm(residual)); logits = lm_head(norm(prenorm)). A chain feeds
+`prenorm` on as the next step's h; the first step's h is fc(aux), the target's residual streams
+entering its `aux_layer_ids` layers, concatenated in layer order (vLLM's capture).
+
+The confidence head (DSpark) c = sigmoid(w . [norm(prenorm) ; e(token)] + b) estimates that the
+step's draft is accepted. Its tensors (`confidence_head.weight` [1, 2H], `.bias` [1]) live in a
+file of their own that other engines do not read (loader/eagle3.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.model.config import _rope
+from specserve.model.errors import ModelLoadError
+from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.ops.fused import apply_rope
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    target_hidden_size: int | None = None  # None: the head's hidden_size
+    # target layers whose *input* residual stream feeds fc (vLLM's counting); None: default
+    aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False
+    raw: dict[str, Any] = field(default_factory=dict)  # config.json as read, written back on save
+
+    @property
+    def fc_in(self) -> int:
+        return 3 * (self.target_hidden_size or self.hidden_size)
+
+    def layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target layers to capture, ascending (the order of fc's input blocks)."""
+        n = num_target_layers
+        ids = self.aux_layer_ids or (2, n // 2, n - 3)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ModelLoadError(
+                f"eagle_aux_hidden_state_layer_ids {list(ids)}: {bad} outside the target's "
+                f"layers 0..{n - 1}"
+            )
+        return tuple(sorted(ids))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> Eagle3Config:
+        archs = cfg.get("architectures") or []
+        if EAGLE3_ARCHITECTURE not in archs:
+            raise ModelLoadError(
+                f"config.json architectures {archs} is not an EAGLE-3 head: expected "
+                f"[{EAGLE3_ARCHITECTURE!r}]"
+            )
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise ModelLoadError(
+                f"num_hidden_layers={cfg['num_hidden_layers']}: only one-layer EAGLE-3 heads "
+                "are supported"
+            )
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise ModelLoadError(f"{flag}=true is not supported in an EAGLE-3 head")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelLoadError(f"hidden_act={cfg.get('hidden_act')!r}: need silu")
+        eagle = cfg.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state") is False:
+            raise ModelLoadError("eagle_config.use_aux_hidden_state=false is not supported")
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            vocab = int(cfg["vocab_size"])
+            theta, scaling = _rope(cfg)
+            out = cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=vocab,
+                draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                target_hidden_size=cfg.get("target_hidden_size"),
+                aux_layer_ids=tuple(int(i) for i in ids) if ids else None,
+                norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+                raw=dict(cfg),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"EAGLE-3 config.json is missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"EAGLE-3 config.json has a malformed field: {e}") from None
+        if out.aux_layer_ids is not None and len(out.aux_layer_ids) != 3:
+            raise ModelLoadError(
+                f"eagle_aux_hidden_state_layer_ids={list(out.aux_layer_ids)}: need 3 layer ids"
+            )
+        if out.num_attention_heads % out.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                f"{out.num_key_value_heads}"
+            )
+        if not 0 < out.draft_vocab_size <= vocab:
+            raise ModelLoadError(f"draft_vocab_size={out.draft_vocab_size} not in 1..{vocab}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json: the fields read back (vLLM/SGLang need a Llama config), raw extras kept."""
+        out = dict(self.raw)
+        out.update(
+            architectures=[EAGLE3_ARCHITECTURE],
+            model_type=out.get("model_type", "llama"),
+            hidden_act="silu",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+        out.pop("rope_parameters", None)
+        if self.target_hidden_size is not None:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.aux_layer_ids is not None:
+            out["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            out.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = list(
+                self.aux_layer_ids
+            )
+        if self.norm_before_residual:
+            out["norm_before_residual"] = True
+        return out
+
+
+@dataclass
+class Eagle3Output:
+    prenorm: torch.Tensor  # [..., H] the next chain / TTT step's hidden state
+    logits: torch.Tensor  # [..., draft_vocab] float32
+    confidence: torch.Tensor | None  # [...] float32 logit of c (None: no confidence head)
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None  # dense: this step's k, v [B, Hkv, T, D]
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.scale = c.head_dim**-0.5
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, 2H] -> q [T, heads, D], k and v [T, kv_heads, D] (before rope)."""
+        t, d = x.shape[0], self.head_dim
+        return (
+            self.q_proj(x).view(t, self.num_heads, d),
+            self.k_proj(x).view(t, self.num_kv_heads, d),
+            self.v_proj(x).view(t, self.num_kv_heads, d),
+        )
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = Eagle3MLP(c)
+
+
+# (q [T, heads, D], k, v [T, kv_heads, D], all roped) -> attention output [T, heads, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Eagle3Head(nn.Module):
+    def __init__(
+        self,
+        config: Eagle3Config,
+        embed_tokens: nn.Embedding | None = None,  # the target's (shared, not a parameter here)
+        confidence_head: bool = True,
+    ) -> None:
+        super().__init__()
+        c = self.config = config
+        self.owns_embedding = embed_tokens is None
+        if embed_tokens is None:
+            # an explicit weight skips normal_() (slow on the meta device; overwritten on load)
+            self.embed_tokens = nn.Embedding(
+                c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size)
+            )
+        else:
+            object.__setattr__(self, "_shared_embed", embed_tokens)  # kept out of state_dict
+        self.fc = nn.Linear(c.fc_in, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        self.confidence_head = nn.Linear(2 * c.hidden_size, 1) if confidence_head else None
+        self.rotary = RotaryEmbedding(
+            c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        )
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embed_tokens if self.owns_embedding else self._shared_embed
+
+    def draft_to_target(self) -> torch.Tensor:  # [draft_vocab] int64 target ids
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, draft_vocab] -> [N, vocab] float32, -inf outside the draft vocabulary (q = 0)."""
+        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_to_target(), logits).float()
+
+    def step(
+        self,
+        input_ids: torch.Tensor,  # [T] the token each row feeds (the one after its hidden's)
+        hidden: torch.Tensor,  # [T, 3Ht] target aux streams (fc applied), or [T, H] prenorm
+        positions: torch.Tensor,  # [T] int64 rope positions
+        attend: Attend,
+        max_position: int,
+    ) -> Eagle3Output:
+        """One head step over flat rows; `attend` supplies the attention (paged or dense)."""
+        c, layer = self.config, self.midlayer
+        if hidden.shape[-1] != c.hidden_size:
+            hidden = self.fc(hidden)
+        embeds = self.embedding(input_ids).to(hidden.dtype)  # [T, H]
+        h_normed = layer.hidden_norm(hidden)
+        residual = h_normed if c.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(embeds), h_normed], dim=-1)  # [T, 2H]
+        q, k, v = layer.self_attn.qkv(x)
+        cos_sin = self.rotary.cos_sin(positions, max_position, x.dtype)
+        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        o = attend(q, k, v)  # [T, heads, D]
+        residual = residual + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        normed = self.norm(prenorm)
+        conf = None
+        if self.confidence_head is not None:
+            conf = self.confidence_head(torch.cat([normed, embeds], dim=-1)).squeeze(-1).float()
+        return Eagle3Output(prenorm, self.lm_head(normed).float(), conf)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        hidden: torch.Tensor,  # [B, T, 3Ht] aux streams, or [B, T, H] the previous step's prenorm
+        positions: torch.Tensor,  # [B, T] int64
+        past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        padding_mask: torch.Tensor | None = None,  # [B, T] bool, True = real token
+    ) -> Eagle3Output:
+        """Dense forward for training (training-time test). With no `past_kv`, plain causal
+        attention over the T positions. TTT step i > 0 passes the kv of steps 0..i-1: a query at
+        index t then sees step 0's keys at indices <= t (causal, the context) and the keys at
+        index t itself of steps 1..i (its own earlier chain steps), as SpecForge and EAGLE-3
+        train it. Returns [B, T, ...] tensors and this step's kv to pass on."""
+        b, t = input_ids.shape
+        c = self.config
+        group = c.num_attention_heads // c.num_key_value_heads
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        mask = causal[None, None]  # [1, 1, T, T]
+        if padding_mask is not None:
+            # a row always sees itself, so a padding row's softmax stays finite
+            eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+            mask = (mask & padding_mask[:, None, None, :]) | eye
+        kv_out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def heads(x: torch.Tensor) -> torch.Tensor:  # [B*T, h, D] -> [B, h, T, D]
+                return x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
+
+            k, v = heads(k), heads(v)
+            kv_out.append((k, v))
+            steps = [*(past_kv or []), (k, v)]
+            qh = heads(q)  # [B, Hq, T, D]
+            k0, v0 = (x.repeat_interleave(group, dim=1) for x in steps[0])
+            s = (qh @ k0.transpose(-1, -2)) * self.midlayer.self_attn.scale  # [B, Hq, T, T]
+            scores = [s.masked_fill(~mask, float("-inf"))]
+            values = []
+            for kj, vj in steps[1:]:
+                kj, vj = kj.repeat_interleave(group, dim=1), vj.repeat_interleave(group, dim=1)
+                scores.append((qh * kj).sum(-1, keepdim=True) * self.midlayer.self_attn.scale)
+                values.append(vj)
+            p = torch.cat(scores, dim=-1).float().softmax(-1).to(qh.dtype)
+            o = p[..., :t] @ v0  # [B, Hq, T, D]
+            for j, vj in enumerate(values):
+                o = o + p[..., t + j : t + j + 1] * vj
+            return o.transpose(1, 2).reshape(b * t, c.num_attention_heads, c.head_dim)
+
+        flat_h = hidden.reshape(b * t, hidden.shape[-1])
+        out = self.step(
+            input_ids.reshape(-1),
+            flat_h,
+            positions.reshape(-1),
+            attend,
+            int(positions.max()) + 1,
+        )
+        conf = out.confidence.view(b, t) if out.confidence is not None else None
+        return Eagle3Output(out.prenorm.view(b, t, -1), out.logits.view(b, t, -1), conf, kv_out[0])
+
+
+from specserve.model.loader.eagle3 import load_eagle3_head, save_eagle3_head  # noqa: E402
+
+__all__ = [
+    "EAGLE3_ARCHITECTURE",
+    "Eagle3Config",
+    "Eagle3Head",
+    "Eagle3Output",
+    "load_eagle3_head",
+    "save_eagle3_head",
+]
