@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +115,7 @@ class SamplingParams:
     # teacher forcing (benchmarks, tests): output token i is golden_token_ids[i] while there is one;
     # drafts are accepted exactly when they match it, so acceptance can be dialled in
     golden_token_ids: list[int] | None = None
-    # --- begin block: logits processing and prompt logprobs (helper "sampling"; vLLM meaning) ---
+    # logits processing and prompt logprobs (vLLM meaning)
     # logit_bias: token id -> bias in [-100, 100], added to the raw logits of every sampled row
     logit_bias: dict[int, float] | None = None
     # allowed_token_ids: only these ids can be sampled (non-empty)
@@ -127,7 +128,6 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
-    # --- end block ---
 
     def __post_init__(self) -> None:
         self.validate()
@@ -231,7 +231,7 @@ class SamplingParams:
                 "truncate_prompt_tokens",
             )
 
-    # --- begin block: logits processing and prompt logprobs (helper "sampling") ---------------
+    # -- logits processing and prompt logprobs ---------------------------------------------
     @property
     def has_logits_processing(self) -> bool:
         """Any of logit_bias / allowed_token_ids / bad_words set (the sampler's slow path)."""
@@ -296,4 +296,19 @@ class SamplingParams:
         if any(t < 0 or t >= vocab_size for w in self.bad_words_token_ids for t in w):
             raise _bad(f"bad_words tokenize to token ids outside [0, {vocab_size})", "bad_words")
 
-    # --- end block ---
+    def check_some_token_allowed(self, eos_ids: Seq[int]) -> None:
+        """allowed_token_ids that the request's own bans leave empty would sample from a row of
+        -inf: refused here when it shows before any token (one-token bad words, min_tokens
+        banning the stop ids); a multi-token bad word that empties a later row ends the request
+        at that step (runner/logits_plan.py)."""
+        if self.allowed_token_ids is None:
+            return
+        allowed = set(self.allowed_token_ids)
+        always = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        if allowed <= always:
+            raise _bad("bad_words ban every token allowed_token_ids permits", "allowed_token_ids")
+        stops = set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids))
+        if self.min_tokens > 0 and allowed <= always | stops:
+            raise _bad(
+                "before min_tokens every token allowed_token_ids permits is banned", "min_tokens"
+            )

@@ -253,6 +253,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         params.validate_for_model(vocab, self.max_model_len)
         params.resolve_bad_words(self.tokenizer, vocab)
+        params.check_some_token_allowed(self.eos_ids)
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt must not be empty", "prompt")

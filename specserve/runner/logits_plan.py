@@ -73,6 +73,11 @@ def plan_logits_processing(
             assert not seq.num_pending, "bad_words need every output token on the host"
             out = seq.token_ids[seq.num_prompt_tokens :]
             for j, banned in enumerate(bad_word_bans(p.bad_words_token_ids, out, d)):
+                if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(banned):
+                    # a row of -inf has no token to sample: the request ends here, alone
+                    raise ValueError(
+                        f"{seq.request_id}: bad_words ban every token allowed_token_ids permits"
+                    )
                 ban_rows.extend([row + j] * len(banned))
                 ban_cols.extend(banned)
         row += n

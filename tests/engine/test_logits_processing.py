@@ -186,3 +186,30 @@ def test_bad_values_are_refused_naming_the_field(off, kw, field) -> None:
         off.generate([[5, 6, 7]], sp, use_tqdm=False)
     assert err.value.param == field
     assert not off.engine.has_unfinished()
+
+
+def test_constraints_that_leave_no_token_are_refused_or_end_the_request_alone():
+    """allowed_token_ids emptied by the request's own bans would sample from a row of -inf."""
+    llm = make_llm(max_num_seqs=4)
+    tok = llm.get_tokenizer()
+    eos = sorted(llm.engine.eos_ids)[0]
+    word = tok.encode(" hello", add_special_tokens=False)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[word[0]], bad_words=["hello"]))
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[eos], min_tokens=2))
+    assert e.value.param == "min_tokens"
+    # after " the", the bad words " the the" and " the cat" ban both allowed tokens
+    the, cat = (tok.encode(w, add_special_tokens=False) for w in (" the", " cat"))
+    assert len(the) == len(cat) == 1 and tok.encode(" the the cat", add_special_tokens=False) == [*the, *the, *cat]  # fmt: skip
+    bad = SamplingParams(
+        allowed_token_ids=[*the, *cat], bad_words=["the the", "the cat"], max_tokens=4,
+        temperature=0, logit_bias={the[0]: 100.0},
+    )  # fmt: skip
+    good = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ref = llm.generate([[9, 10, 11]], good, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([[5, 6], [9, 10, 11]], [bad, good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "bad_words" in outs[0].error
+    assert outs[0].outputs[0].token_ids == the
+    assert outs[1].outputs[0].token_ids == ref
