@@ -14,12 +14,11 @@ so a kernel that loads one fails visibly: such blocks may have been freed and re
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from specserve.model.loader import load_model
+from specserve.model.loader import default_tokenizer, load_model
 from specserve.ops import triton_attention
 from specserve.ops.triton_attention import TileConfig, key_bound
 from tests.gpu.conftest import interpreting
@@ -43,7 +42,7 @@ def _cases() -> dict[str, tuple[list[int], list[int], dict]]:
 
 
 CASES = _cases()
-WINDOWS = [1, 4, 16, 100, 4096]  # 4096: wider than every context, the same as full attention
+WINDOWS = [1, 16, 100, 4096]  # 4096: wider than every context, the same as full attention
 
 
 @pytest.mark.gpu
@@ -58,8 +57,8 @@ def test_sliding_window_matches_reference(cuda, name, window, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 3, 8])
-@pytest.mark.parametrize("window", [5, 130, 700])
+@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("window", [5, 700])
 def test_sliding_window_with_split_kv(cuda, dtype, splits, window):
     """The window's key range cut across splits; only splits holding keys run, and the tile
     counters are back at zero after the merge."""
@@ -74,7 +73,7 @@ def test_sliding_window_with_split_kv(cuda, dtype, splits, window):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [3, 37])
+@pytest.mark.parametrize("window", [37])
 def test_sliding_window_decode_tile_on_long_rows(cuda, dtype, window):
     # the decode tile (4 rows x 4 heads) forced on long requests: each tile's rows see
     # overlapping, shifted windows (the masked head and tail of the key walk)
@@ -98,8 +97,10 @@ def test_window_bounds_the_keys_a_tile_reads() -> None:
 
 
 @pytest.fixture(scope="module")
-def sw_dirs(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> dict[str, Path]:
-    return sliding.save_dirs(tmp_path_factory.mktemp("tiny_sliding_gpu"), default_tokenizer)
+def sw_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    # Not the conftest fixture: that one needs the default GGUF (a download); this honours
+    # $SPECSERVE_TOKENIZER, as the device machine (no network) sets it.
+    return sliding.save_dirs(tmp_path_factory.mktemp("tiny_sliding_gpu"), default_tokenizer())
 
 
 @pytest.mark.gpu
@@ -116,7 +117,8 @@ def test_model_logits_match_hf_on_cuda(cuda, sw_dirs, family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", list(sliding.FAMILIES))
+# Qwen3's layer_types differ from Qwen2's only in parsing (CPU tests); the kernels are the same
+@pytest.mark.parametrize("family", ["mistral_w4", "qwen2_w16_mixed"])
 def test_engine_on_cuda_matches_hf(cuda, sw_dirs, family):
     """The CUDA engine (graphs for decode/verify, chunked prefill, n-gram and draft-model
     speculation, overlap with the device drafter) emits HF's greedy tokens."""
