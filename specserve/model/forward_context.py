@@ -25,7 +25,9 @@ class ForwardContext:
 
     Rows of request i are rows [cu_query_lens[i], cu_query_lens[i+1]) of the flat batch; they are
     the *last* query_lens[i] positions of its context, so row j of request i may attend to KV
-    positions [0, context_lens[i] - query_lens[i] + j] (causal within the request).
+    positions [0, context_lens[i] - query_lens[i] + j] (causal within the request); a layer with
+    a sliding window W sees only the last W of them. The window is the layer's (ModelConfig.
+    layer_window), not the context's: one context serves layers of every window.
     """
 
     query_lens: torch.Tensor  # [B] int32, rows per request in this forward (>= 1)
