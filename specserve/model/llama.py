@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.model.aux_capture import AuxCapture
 from specserve.model.config import ModelConfig
 from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -127,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+        # set by an EAGLE-3 drafter or head training (aux_capture.py); None: no capture work
+        self.aux_capture: AuxCapture | None = None
 
     @torch.inference_mode()
     def forward(
@@ -141,8 +144,13 @@ class LlamaForCausalLM(nn.Module):
         # Checked once here rather than in each layer's KV write.
         all_valid = slots_all_valid(ctx.slot_mapping)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        cap = self.aux_capture
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if cap is not None:
+                cap.record(i, x, residual)
             x, residual = layer(x, residual, cos_sin, cache, ctx, all_valid)
+        if cap is not None:
+            cap.finish(ctx, x.shape[0])
         return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
