@@ -73,6 +73,11 @@ class Eagle3Config:
         n = num_target_layers
         ids = self.aux_layer_ids or (2, n // 2, n - 3)
         bad = [i for i in ids if not 0 <= i < n]
+        if len(set(ids)) < len(ids):
+            raise ModelLoadError(
+                f"eagle_aux_hidden_state_layer_ids {list(ids)}: the layers must differ (a target "
+                f"of {n} layers needs explicit ids)"
+            )
         if bad:
             raise ModelLoadError(
                 f"eagle_aux_hidden_state_layer_ids {list(ids)}: {bad} outside the target's "
