@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, chat, bench, serve."""
+"""`specserve` command line: generate, chat, bench, serve, train-head."""
 
 from __future__ import annotations
 
@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser(sub)
     except ImportError:  # pragma: no cover - server extras missing
         pass
+    from specserve.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

@@ -1,0 +1,230 @@
+"""Training data: chat prompts, answered by the target itself through specserve.
+
+A head is only as good as its match to the target's own outputs, so the ShareGPT replies are
+thrown away and each first-turn prompt is answered again by the target (greedy by default, the
+way the head is used). The answers are cached under `<out>/data/` as they are generated, chunk
+by chunk, so an interrupted run (or a resumed training) never regenerates what it already has.
+
+The split is by prompt: a fixed share of the prompts, chosen with the seed, is held out. Half of
+the held-out prompts fit the confidence temperatures, the other half is the evaluation set;
+neither half is ever trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specserve.train.errors import TrainHeadError
+
+DATA_FORMAT = 1
+GEN_CHUNK = 256  # prompts answered (and appended to the cache) per generate() call
+
+
+@dataclass
+class Sample:
+    index: int  # position in the prompt list: the split and the cache key
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.answer_ids)
+
+
+@dataclass
+class DataSpec:
+    """What the cached answers depend on; a cache made under another spec is refused."""
+
+    model: str
+    source: str  # "sharegpt" or the prompts file's path
+    num_prompts: int
+    max_prompt_tokens: int
+    max_answer_tokens: int
+    temperature: float
+    seed: int
+    format: int = DATA_FORMAT
+
+
+@dataclass
+class Split:
+    train: list[Sample] = field(default_factory=list)
+    calib: list[Sample] = field(default_factory=list)  # fits the confidence temperatures
+    eval: list[Sample] = field(default_factory=list)  # held-out evaluation
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A user turn under the model's chat template, tokenized as the engine does (vLLM's rules:
+    the template writes the special tokens, none are added again)."""
+    from specserve.chat import render_chat
+
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    messages = [{"role": "user", "content": text}]
+    return render_chat(tokenizer, messages, {"add_generation_prompt": True})[1]
+
+
+def sharegpt_prompts(num: int, seed: int) -> list[str]:
+    """`num` distinct non-empty first human turns of ShareGPT, in a seed-shuffled order (more
+    than asked: the length filter drops some)."""
+    from specserve.bench.datasets import load_sharegpt_corpus
+
+    pairs = load_sharegpt_corpus().pairs
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    out: list[str] = []
+    seen: set[str] = set()
+    for i in order:
+        text = pairs[i][0].strip()
+        if text and text not in seen:
+            seen.add(text)
+            out.append(text)
+            if len(out) == num:
+                break
+    return out
+
+
+def file_prompts(path: Path) -> list[str]:
+    """One prompt per line (a .jsonl file: one JSON string, or an object with "prompt")."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            if path.suffix == ".jsonl":
+                obj = json.loads(line)
+                line = obj if isinstance(obj, str) else str(obj["prompt"])
+            prompts.append(line)
+    return prompts
+
+
+def tokenize_prompts(
+    tokenizer: Any, texts: Sequence[str], num: int, max_prompt_tokens: int
+) -> list[list[int]]:
+    """The first `num` prompts whose templated form has 4..max_prompt_tokens tokens."""
+    out = []
+    for text in texts:
+        ids = chat_prompt_ids(tokenizer, text)
+        if 4 <= len(ids) <= max_prompt_tokens:
+            out.append(ids)
+            if len(out) == num:
+                break
+    return out
+
+
+class AnswerCache:
+    """`<dir>/meta.json` (the DataSpec) and `<dir>/samples.jsonl` (one Sample a line)."""
+
+    def __init__(self, root: Path, spec: DataSpec) -> None:
+        self.root = root
+        self.spec = spec
+        self.meta_path = root / "meta.json"
+        self.samples_path = root / "samples.jsonl"
+
+    def check_spec(self) -> None:
+        if not self.meta_path.is_file():
+            return
+        old = json.loads(self.meta_path.read_text())
+        diff = [k for k, v in asdict(self.spec).items() if old.get(k) != v]
+        if diff:
+            shown = ", ".join(
+                f"{k}: cached {old.get(k)!r}, now {getattr(self.spec, k)!r}" for k in diff
+            )
+            raise TrainHeadError(
+                f"{self.root} holds answers made under other settings ({shown}); "
+                "use another --out, or the same settings to resume"
+            )
+
+    def load(self) -> list[Sample]:
+        if not self.samples_path.is_file():
+            return []
+        out = []
+        with open(self.samples_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from an interrupted write: regenerate from there
+                out.append(Sample(d["index"], d["prompt_ids"], d["answer_ids"]))
+        return out
+
+    def append(self, samples: Sequence[Sample]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.meta_path.is_file():
+            tmp = self.meta_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(asdict(self.spec), indent=1))
+            os.replace(tmp, self.meta_path)
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps(asdict(s)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def regenerate(
+    llm: Any,
+    prompts: Sequence[list[int]],
+    cache: AnswerCache,
+    max_answer_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[Sample]:
+    """Answer every prompt with the target (through `llm`, a specserve LLM); the cached ones
+    are read back, the rest generated in chunks and appended to the cache as they finish."""
+    from specserve import SamplingParams
+
+    cache.check_spec()
+    done = {s.index: s for s in cache.load()}
+    todo = [i for i in range(len(prompts)) if i not in done]
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(prompts) - len(todo),
+        desc="answering prompts",
+        unit="prompt",
+        disable=not progress,
+    )
+    for start in range(0, len(todo), GEN_CHUNK):
+        chunk = todo[start : start + GEN_CHUNK]
+        params = [
+            SamplingParams(temperature=temperature, max_tokens=max_answer_tokens, seed=seed + i)
+            for i in chunk
+        ]
+        outs = llm.generate([prompts[i] for i in chunk], params, use_tqdm=False)
+        new = [
+            Sample(i, list(prompts[i]), list(o.outputs[0].token_ids)) for i, o in zip(chunk, outs)
+        ]
+        cache.append(new)
+        done.update((s.index, s) for s in new)
+        bar.update(len(chunk))
+    bar.close()
+    return [done[i] for i in range(len(prompts))]
+
+
+def split_samples(samples: Sequence[Sample], heldout_fraction: float, seed: int) -> Split:
+    """Held-out prompts chosen by the seed; answers too short to train on (< 2 tokens) dropped
+    from every part."""
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise TrainHeadError(f"held-out fraction {heldout_fraction} must be in [0, 1)")
+    order = sorted(samples, key=lambda s: s.index)
+    random.Random(seed + 1).shuffle(order)
+    n_held = round(len(order) * heldout_fraction)
+    if heldout_fraction > 0 and len(order) >= 4:
+        n_held = max(n_held, 2)  # one prompt each for calibration and evaluation
+    held, train = order[:n_held], order[n_held:]
+    usable = [s for s in train if len(s.answer_ids) >= 2]
+    held = [s for s in held if len(s.answer_ids) >= 2]
+    half = (len(held) + 1) // 2
+    return Split(usable, held[:half], held[half:])
