@@ -12,12 +12,12 @@ from specserve.sampling_params import InvalidRequestError
 @dataclass
 class SpeculativeConfig:
     method: (
-        str  # "ngram" | "draft_model" | "golden" (benchmarks: golden_token_ids + acceptance_rate)
+        str  # "ngram" | "draft_model" | "eagle3" | "golden" (benchmarks: golden_token_ids + rate)
     )
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft model for method="draft_model"
+    model: str | None = None  # draft model ("draft_model") or EAGLE-3 head folder ("eagle3")
     verify_budget: str = "auto"  # "auto" | "off"
     acceptance_rate: float = 1.0  # method "golden": chance each draft matches the golden token
     extra: dict[str, Any] = field(default_factory=dict)
@@ -33,9 +33,10 @@ class SpeculativeConfig:
                 raise InvalidRequestError(f"speculative config is not valid JSON: {e}") from None
         spec = dict(spec)
         method = spec.pop("method", None)
-        if method not in ("ngram", "draft_model", "golden"):
+        if method not in ("ngram", "draft_model", "eagle3", "golden"):
             raise InvalidRequestError(
-                f"speculative_config.method must be 'ngram', 'draft_model' or 'golden', got {method!r}",
+                "speculative_config.method must be 'ngram', 'draft_model', 'eagle3' or 'golden', "
+                f"got {method!r}",
                 "speculative_config",
             )
         k = spec.pop("num_speculative_tokens", None)
@@ -55,10 +56,11 @@ class SpeculativeConfig:
             method, k, **{key: spec.pop(key) for key in list(spec) if key in known}
         )
         cfg.extra = spec
-        if method == "draft_model" and not cfg.model:
+        if method in ("draft_model", "eagle3") and not cfg.model:
+            what = "an EAGLE-3 head folder" if method == "eagle3" else "a draft model"
             raise InvalidRequestError(
-                "speculative_config.model is required for method 'draft_model'",
-                "speculative_config",
+                f"speculative_config.model is required for method {method!r} ({what})",
+                "speculative_config.model",
             )
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise InvalidRequestError(

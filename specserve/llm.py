@@ -15,10 +15,10 @@ from specserve.chat import (
     template_messages,
 )
 from specserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
 from specserve.fanout import sample_params
 from specserve.inputs import EnginePrompt, PromptType, parse_prompts
+from specserve.llm_engine import LLMEngine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}

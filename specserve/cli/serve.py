@@ -101,7 +101,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.cli.main import engine_config
-    from specserve.engine.llm_engine import LLMEngine
+    from specserve.llm_engine import LLMEngine
     from specserve.server.launch import ServerOptions, bind_socket, run_server
 
     if args.model_tag and args.model and args.model_tag != args.model:

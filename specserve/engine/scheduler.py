@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.sequence import FinishReason, SeqStatus, Sequence
-from specserve.spec.slots import DraftSlotPool
+from specserve.engine.slots import DraftSlotPool
 
 
 @dataclass

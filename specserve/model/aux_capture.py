@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.model.forward_context import ForwardContext
+from specserve.ops.forward_context import ForwardContext
 
 # (streams [T, n * H] of the forward's rows, its context) -> None, run after the last layer
 CaptureSink = Callable[[torch.Tensor, ForwardContext], None]

@@ -16,9 +16,9 @@ from torch import nn
 
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.config import ModelConfig
-from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
+from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.fused import rope_, rope_write_kv_
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.triton_attention import paged_attention_triton, use_triton, write_kv_triton
 
 # Requests with at most this many query rows are batched into the padded path. Above it a

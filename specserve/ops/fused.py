@@ -25,8 +25,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from specserve.model.forward_context import KVCache
 from specserve.ops.attention import write_kv
+from specserve.ops.forward_context import KVCache
 from specserve.ops.pdl import launch_options
 from specserve.ops.triton_attention import use_triton
 

@@ -28,7 +28,7 @@ from types import ModuleType
 
 import torch
 
-from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.forward_context import ForwardContext, KVCache
 
 # A split-KV chunk shorter than this costs more to merge than it saves.
 MIN_KEYS_PER_SPLIT = 128

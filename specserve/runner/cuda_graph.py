@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.forward_context import ForwardContext, KVCache
 
 # Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
 # an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specserve.engine.scheduler import StepBatch
-from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend

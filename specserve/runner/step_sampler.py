@@ -17,8 +17,8 @@ from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
 from specserve.runner.logits_plan import plan_logits_processing
-from specserve.spec.layout import RowLayout, build_layout
-from specserve.spec.verify import VerifyResult, verify
+from specserve.sample.layout import RowLayout, build_layout
+from specserve.sample.verify import VerifyResult, verify
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:

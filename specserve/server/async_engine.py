@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.outputs import TokenOutput
+from specserve.llm_engine import LLMEngine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.server.errors import ServerError, internal_error
 from specserve.server.metrics import EngineSnapshot, ServerMetrics

@@ -19,7 +19,7 @@ from types import FrameType
 
 import uvicorn
 
-from specserve.engine.llm_engine import LLMEngine
+from specserve.llm_engine import LLMEngine
 from specserve.server.api import DEFAULT_MAX_BODY_BYTES, AppOptions, build_app
 from specserve.server.async_engine import AsyncEngine
 from specserve.server.errors import ServerError

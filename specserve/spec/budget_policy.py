@@ -27,7 +27,7 @@ from specserve.spec.verify_budget import (
 )
 
 if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LLMEngine
+    from specserve.llm_engine import LLMEngine
 
 # every EXPLORE_EVERY-th step verifies all drafts whatever the chooser says: the curve and the
 # acceptance estimates only learn from steps that run, so a pessimistic start (a curve measured on

@@ -26,7 +26,7 @@ from specserve.spec.curve_math import theil_sen
 from specserve.spec.step_cost import StepCostCurve
 
 if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LLMEngine
+    from specserve.llm_engine import LLMEngine
 
 CALIBRATION_CONTEXT = 128  # tokens of context per synthetic request
 KV_CALIBRATION_CONTEXT = 640  # the longer context of the kv_cost measurement

@@ -8,7 +8,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LLMEngine
+    from specserve.llm_engine import LLMEngine
 
 
 class Drafter(Protocol):
@@ -45,6 +45,10 @@ def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
         from specserve.spec.ngram import NgramDrafter
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "eagle3":
+        from specserve.spec.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(spec, engine)
     from specserve.spec.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(spec, engine)

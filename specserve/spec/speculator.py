@@ -29,7 +29,7 @@ from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LLMEngine
+    from specserve.llm_engine import LLMEngine
 
 # Long enough that the one synchronous step which re-drafts costs little, short enough to notice
 # the load falling.

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LaunchedStep
+    from specserve.llm_engine import LaunchedStep
     from specserve.spec.budget_policy import VerifyBudgetPolicy
 
 # a synchronous step awaiting its overhead: (step() start, launch-to-readback, rows, context

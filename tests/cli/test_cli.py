@@ -91,7 +91,7 @@ def no_model_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the engine was built")
 
     monkeypatch.setattr("specserve.llm.LLMEngine", refuse)
-    monkeypatch.setattr("specserve.engine.llm_engine.LLMEngine", refuse)
+    monkeypatch.setattr("specserve.llm_engine.LLMEngine", refuse)
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str], *words: str) -> str:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve import SamplingParams
-from specserve.spec.layout import build_layout, check_layout
+from specserve.sample.layout import build_layout, check_layout
 from tests.engine.conftest import make_llm
 
 _ENGINE = {}

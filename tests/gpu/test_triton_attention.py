@@ -18,9 +18,9 @@ from unittest import mock
 import pytest
 import torch
 
-from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.ops import attention, triton_attention
 from specserve.ops.attention import paged_attention, write_kv
+from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.triton_attention import (
     TileConfig,
     choose_num_splits,

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from specserve.model.forward_context import KVCache
 from specserve.model.layers import RotaryEmbedding
 from specserve.model.loader.common import build_empty_model
 from specserve.model.loader.dummy import dummy_config, init_random_
 from specserve.ops import fused
+from specserve.ops.forward_context import KVCache
 from tests.gpu.conftest import interpreting
 from tests.model.harness import build_ctx
 
@@ -301,7 +301,7 @@ def test_cpu_uses_reference_without_triton() -> None:
         "import sys, torch\n"
         "from specserve.model.loader.common import build_empty_model\n"
         "from specserve.model.loader.dummy import dummy_config, init_random_\n"
-        "from specserve.model.forward_context import KVCache\n"
+        "from specserve.ops.forward_context import KVCache\n"
         "from tests.model.harness import build_ctx\n"
         "cfg = dummy_config('tiny')\n"
         "m = build_empty_model(cfg, torch.float32, torch.device('cpu')); init_random_(m)\n"

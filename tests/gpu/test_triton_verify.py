@@ -1,4 +1,4 @@
-"""Fused Triton sample-and-verify against the torch reference (specserve.spec.verify).
+"""Fused Triton sample-and-verify against the torch reference (specserve.sample.verify).
 
     pytest -m gpu tests/gpu/test_triton_verify.py                        # CUDA (skips without)
     TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_triton_verify.py     # CPU, Triton interpreter
@@ -17,9 +17,9 @@ import torch
 
 from specserve.ops.random import hashed_uniform
 from specserve.ops.sampling import SAMPLE_SALT, SamplingTensors, sample, target_probs
+from specserve.sample.layout import RowLayout, build_layout
+from specserve.sample.verify import VerifyResult, verify, verify_reference
 from specserve.sampling_params import SamplingParams
-from specserve.spec.layout import RowLayout, build_layout
-from specserve.spec.verify import VerifyResult, verify, verify_reference
 
 from .conftest import interpreting
 
@@ -36,7 +36,7 @@ def device(cuda: torch.device) -> torch.device:
 
 
 def _fused():
-    from specserve.ops import triton_verify
+    from specserve.sample import triton_verify
 
     return triton_verify
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from specserve.model.config import ModelConfig
-from specserve.model.forward_context import ForwardContext, KVCache
+from specserve.ops.forward_context import ForwardContext, KVCache
 
 
 def build_ctx(

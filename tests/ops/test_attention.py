@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specserve.model.forward_context import ForwardContext, KVCache
 from specserve.ops import attention as attn
 from specserve.ops.attention import paged_attention, write_kv
+from specserve.ops.forward_context import ForwardContext, KVCache
 
 
 @dataclass

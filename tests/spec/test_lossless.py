@@ -4,12 +4,12 @@ the target p, whatever the draft q, and a biased verifier is caught by the same 
 import pytest
 import torch
 
-import specserve.spec.verify as verify_mod
+import specserve.sample.verify as verify_mod
 from specserve.ops.random import hashed_uniform
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, target_probs
+from specserve.sample.layout import build_layout
+from specserve.sample.verify import verify
 from specserve.sampling_params import SamplingParams
-from specserve.spec.layout import build_layout
-from specserve.spec.verify import verify
 
 N = 120_000  # requests, one draft each -> 120k draws of the first emitted token
 V = 8

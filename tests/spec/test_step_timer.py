@@ -2,8 +2,8 @@
 
 import pytest
 
-from specserve.engine.llm_engine import LaunchedStep
 from specserve.engine.scheduler import StepBatch
+from specserve.llm_engine import LaunchedStep
 from specserve.spec.step_timer import StepTimer
 
 

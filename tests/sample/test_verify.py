@@ -3,9 +3,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.ops.sampling import SamplingTensors
+from specserve.sample.layout import build_layout, check_layout
+from specserve.sample.verify import prefix_accept, verify
 from specserve.sampling_params import SamplingParams
-from specserve.spec.layout import build_layout, check_layout
-from specserve.spec.verify import prefix_accept, verify
 
 
 def _layout(seqlens):

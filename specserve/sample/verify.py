@@ -4,7 +4,7 @@ Torch reference (vectorised, no loop over rows, no host sync). The GPU fused ker
 bit-identical for greedy, same random streams for sampling.
 
 `verify` dispatches: CUDA tensors with triton importable and a step the kernel covers
-(`specserve.ops.triton_verify.fusable`: no draft-model q, no top-k/top-p/min-p row) run the fused
+(`specserve.sample.triton_verify.fusable`: no draft-model q, no top-k/top-p/min-p row) run the fused
 Triton pass; everything else, and any call with SPECSERVE_FUSED_VERIFY=0 in the environment or
 fused=False, runs `verify_reference`.
 """
@@ -24,7 +24,7 @@ from specserve.ops.sampling import (
     sample,
     target_probs,
 )
-from specserve.spec.layout import RowLayout
+from specserve.sample.layout import RowLayout
 
 
 class VerifyResult(NamedTuple):
@@ -82,7 +82,7 @@ def verify(
         from specserve.ops.triton_attention import use_triton
 
         if use_triton(logits.device):
-            from specserve.ops import triton_verify
+            from specserve.sample import triton_verify
 
             if triton_verify.fusable(t, draft_probs):
                 return triton_verify.verify_triton(logits, draft_token_ids, t, layout, forced)

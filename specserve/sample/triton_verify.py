@@ -1,6 +1,6 @@
-"""Fused sample-and-verify for CUDA: same semantics as `specserve.spec.verify.verify_reference`.
+"""Fused sample-and-verify for CUDA: same semantics as `specserve.sample.verify.verify_reference`.
 
-This module imports triton at the top: `specserve.spec.verify` imports it lazily, only once it
+This module imports triton at the top: `specserve.sample.verify` imports it lazily, only once it
 knows the tensors are on CUDA and triton is importable, so CPU-only installs never need it.
 
 Covered (see `fusable`): drafts without a draft model's q (one-hot / model-free drafts, or no
@@ -38,8 +38,8 @@ import triton.language as tl
 
 from specserve.ops.random import _MUL1, _MUL2, GAMMA, salt_key
 from specserve.ops.sampling import SAMPLE_SALT, SamplingTensors
-from specserve.spec.layout import RowLayout
-from specserve.spec.verify import VerifyResult
+from specserve.sample.layout import RowLayout
+from specserve.sample.verify import VerifyResult
 
 # splitmix64 constants as int64 bit patterns (triton reads globals only when constexpr).
 _GAMMA = tl.constexpr(GAMMA)
@@ -203,7 +203,7 @@ def verify_triton(
     layout: RowLayout,
     forced: torch.Tensor | None = None,  # [total_q] int64 golden token per row, -1 = none
 ) -> VerifyResult:
-    """The fused pass; callers go through `specserve.spec.verify.verify`, which checks
+    """The fused pass; callers go through `specserve.sample.verify.verify`, which checks
     `fusable` and the device first."""
     assert fusable(t, None), "top-k / top-p / min-p rows need the torch reference"
     total_q, vocab = logits.shape

@@ -23,6 +23,7 @@ from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
+from specserve.engine.slots import DraftSlotPool
 from specserve.model.loader import cache_dir, load_model
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -31,7 +32,6 @@ from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
-from specserve.spec.slots import DraftSlotPool
 from specserve.spec.speculator import Speculator
 from specserve.spec.step_timer import StepTimer
 
