@@ -56,7 +56,7 @@ class ThroughputSettings:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
-    # golden tokens: outputs are forced and each draft matches with this probability (issue 5)
+    # golden tokens: outputs are forced and each draft matches with this probability
     acceptance_rate: float | None = None
     enable_prefix_caching: bool = True
     hf_batch_size: int | None = None  # None: min(max_num_seqs, num_prompts)

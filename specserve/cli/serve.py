@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 from typing import Any
+
+from specserve import env
 
 if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
     raise ImportError("specserve serve needs the server extra: pip install 'specserve[server]'")
@@ -31,7 +32,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("SPECSERVE_API_KEY"),
+        default=env.settings.api_key,
         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /metrics "
         "(default: $SPECSERVE_API_KEY)",
     )

@@ -6,8 +6,9 @@ that is four launches (add+norm twice, one rotary over q and k that also writes 
 KV cache, silu-and-mul).
 
 Dispatch, per call: the Triton kernel when the tensor is on CUDA, triton is importable
-(`use_triton`) and $SPECSERVE_FUSED_OPS is not "0" (read at call time, so a test or benchmark can
-force the reference on CUDA; a captured CUDA graph keeps whatever path it was captured with).
+(`use_triton`) and `env.settings.fused_ops` (read at call time, so a test or benchmark can force
+the reference on CUDA with `env.override`; a captured CUDA graph keeps the path it was captured
+with).
 Otherwise the torch reference below runs: exactly the ops the model used before fusion, so CPU
 numerics (checked against HF transformers) do not change.
 
@@ -19,23 +20,21 @@ CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from specserve import env
 from specserve.ops.attention import write_kv
 from specserve.ops.forward_context import KVCache
 from specserve.ops.pdl import launch_options
 from specserve.ops.triton_attention import use_triton
 
-ENV_SWITCH = "SPECSERVE_FUSED_OPS"
-
 
 def fused_enabled(x: torch.Tensor) -> bool:
     """True when the Triton path should run for tensors like `x` (see the module docstring)."""
-    return x.is_cuda and os.environ.get(ENV_SWITCH, "1") != "0" and use_triton(x.device)
+    return x.is_cuda and env.settings.fused_ops and use_triton(x.device)
 
 
 # The dispatchers look this up per call (module global), so a test can point it at a predicate

@@ -4,10 +4,10 @@ Why: a batch-1 decode step is 32 layers x four weight reads, and at one row cuBL
 smaller ones (qkv, o_proj, down) at 2.6-3.7 TB/s against a 4.0 TB/s copy: each kernel ramps up
 and drains alone. The GEMV loads its first weight tile before it waits for the previous kernel
 (programmatic dependent launch), so that ramp overlaps the previous kernel's tail. Measured on
-the H200 over a one-row layer chain (`results/h200/diag/pdl_chain.py`): 123.0 us per layer with
+the H200 over a one-row chain of 32 distinct layers in a CUDA graph: 123.0 us per layer with
 cuBLAS, 122.0 with the GEMV alone, 115.0 with the GEMV under PDL. Without PDL it is no faster
 than cuBLAS, so it runs only where PDL does (`specserve.ops.pdl`); elsewhere, and for more than
-one row, F.linear runs unchanged. $SPECSERVE_GEMV=0 turns it off.
+one row, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns it off.
 
 Safe to import without triton: the kernel module is imported on first use.
 """
@@ -15,16 +15,15 @@ Safe to import without triton: the kernel module is imported on first use.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from specserve import env
 from specserve.ops.pdl import pdl_enabled
 
-ENV_SWITCH = "SPECSERVE_GEMV"
-BLOCK_N = 8  # outputs per program: the best of every H200 sweep shape (gemv_sweep_s8.json)
+BLOCK_N = 8  # outputs per program: the best on the H200 for every decoder shape swept
 BLOCK_K = 256
 # Split K until the grid holds about this many programs (H200: qkv 2 splits, o_proj and down 4,
 # gate_up 1, the sweep's best per shape).
@@ -80,7 +79,7 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and weight.dtype == x.dtype
         and x.is_contiguous()
         and weight.is_contiguous()
-        and os.environ.get(ENV_SWITCH, "1") != "0"
+        and env.settings.gemv
         and pdl_enabled(x)
     )
 

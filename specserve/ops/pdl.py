@@ -2,7 +2,7 @@
 while its predecessor in the stream still runs; it waits (griddepcontrol.wait) before it reads
 anything the predecessor wrote. At batch 1 every kernel of a layer is short, so each one's launch
 and ramp-up otherwise sit between two memory-bound GEMVs (H200, a one-row layer chain: 123 us
-with cuBLAS, 115 us with Triton GEMVs under PDL, `results/h200/diag/pdl_chain.py`).
+with cuBLAS, 115 us with Triton GEMVs under PDL).
 
 A kernel opts in with a `GDC: tl.constexpr` flag: when set it calls `gdc_launch_dependents()`
 (its successor may launch) and `gdc_wait()` before its first read of a predecessor's output, and
@@ -13,14 +13,12 @@ the flag keep plain stream order, so kernels with and without PDL mix freely.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
+from specserve import env
 from specserve.ops.triton_attention import use_triton
-
-ENV_SWITCH = "SPECSERVE_PDL"
 
 
 @functools.lru_cache(maxsize=8)
@@ -35,11 +33,11 @@ def _supported(device_index: int) -> bool:
 
 def pdl_enabled(x: torch.Tensor) -> bool:
     """True when kernels on x's device may be launched with PDL: CUDA, compute capability >= 9,
-    a triton with griddepcontrol, and $SPECSERVE_PDL not "0" (read per call; a captured CUDA
-    graph keeps what it was captured with)."""
+    a triton with griddepcontrol, and `env.settings.pdl` (read per call; a captured CUDA graph
+    keeps what it was captured with)."""
     return (
         x.is_cuda
-        and os.environ.get(ENV_SWITCH, "1") != "0"
+        and env.settings.pdl
         and use_triton(x.device)
         and _supported(x.device.index if x.device.index is not None else 0)
     )

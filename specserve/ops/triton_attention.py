@@ -118,7 +118,7 @@ def choose_tile_config(
     block_q = max(1, block_m // group)
     if block_m <= 16 and wide_grid:
         # Decode over many requests: many small programs per SM beat fewer big ones (H200, 8B
-        # heads, `results/h200/diag/attn_decode_tiles_s9.json`: batch 64 at 300-500 keys 42.3 vs
+        # heads, in CUDA graphs: batch 64 at 300-500 keys 42.3 vs
         # 45.0 us, at 3-4k keys 227 vs 234; batch 256 at 300-500 keys 118.5 vs 126.5).
         block_n, warps, stages = 64, 2, 2
     elif block_m <= 16:

@@ -5,17 +5,17 @@ bit-identical for greedy, same random streams for sampling.
 
 `verify` dispatches: CUDA tensors with triton importable and a step the kernel covers
 (`specserve.sample.triton_verify.fusable`: no draft-model q, no top-k/top-p/min-p row) run the fused
-Triton pass; everything else, and any call with SPECSERVE_FUSED_VERIFY=0 in the environment or
-fused=False, runs `verify_reference`.
+Triton pass; everything else, and any call with `env.settings.fused_verify` off
+($SPECSERVE_FUSED_VERIFY=0) or fused=False, runs `verify_reference`.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from specserve import env
 from specserve.ops.random import hashed_uniform
 from specserve.ops.sampling import (
     ACCEPT_SALT,
@@ -59,10 +59,10 @@ def _sample_rows(probs: torch.Tensor, t: SamplingTensors, rows: torch.Tensor) ->
 
 
 def _fused_allowed(fused: bool | None) -> bool:
-    """fused=None defers to $SPECSERVE_FUSED_VERIFY (read per call, so tests and benchmarks can
-    flip it); anything but "0" allows the kernel."""
+    """fused=None defers to `env.settings.fused_verify` (read per call, so tests and benchmarks
+    can flip it with `env.override`)."""
     if fused is None:
-        return os.environ.get("SPECSERVE_FUSED_VERIFY", "1") != "0"
+        return env.settings.fused_verify
     return fused
 
 

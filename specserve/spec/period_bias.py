@@ -7,7 +7,7 @@ speculative step exposes every host hiccup; an overlapped plain step hides most 
 the step in flight. Median against median therefore flatters speculation exactly where the two
 are close.
 
-Seen on the H200 (R = 0.5, C = 64, `results/h200/sweep_golden_r05_llama8b_s10b.json`). The
+Seen on the H200 (golden drafts at acceptance 0.5, 64 concurrent requests). The
 level's final curves price the best speculative step ~5 % below plain decoding. Auto still
 speculated in 132 of 160 steps per run and ran at 0.88 of plain. Its synchronous steps took
 ~10.5 ms each on average (the run's 1.62 s less ~0.2 s for its 28 other steps), against ~9.3 ms

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from specserve import env
 from specserve.model.layers import RotaryEmbedding
 from specserve.model.loader.common import build_empty_model
 from specserve.model.loader.dummy import dummy_config, init_random_
@@ -42,12 +43,12 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 
 @pytest.fixture
 def set_fused(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
-    """set_fused(True/False) picks the path through the env switch, as a user would. Under the
+    """set_fused(True/False) picks the path through the switch in specserve.env. Under the
     interpreter the tensors are on the CPU, where the real predicate always says no, so it is
     replaced by one that follows the switch."""
 
     def set_(on: bool) -> None:
-        monkeypatch.setenv(fused.ENV_SWITCH, "1" if on else "0")
+        monkeypatch.setattr(env.settings, "fused_ops", on)
         if cuda.type != "cuda":
             monkeypatch.setattr(fused, "_enabled", lambda x: on)
 

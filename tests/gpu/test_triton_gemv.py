@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve import env
 from specserve.ops import fused, gemv
 from specserve.ops.pdl import pdl_enabled
 
@@ -61,7 +62,7 @@ def test_only_one_row_without_bias_takes_the_gemv(pdl_cuda, monkeypatch) -> None
     assert not gemv.gemv_eligible(x1, w, torch.zeros(64, device=pdl_cuda, dtype=w.dtype))
     assert not gemv.gemv_eligible(x1.float(), w.float(), None)  # fp32: cuBLAS
     assert not gemv.gemv_eligible(x1.cpu(), w.cpu(), None)
-    monkeypatch.setenv(gemv.ENV_SWITCH, "0")
+    monkeypatch.setattr(env.settings, "gemv", False)
     assert not gemv.gemv_eligible(x1, w, None)
 
 
@@ -97,7 +98,7 @@ def test_a_pdl_chain_in_a_cuda_graph_matches_eager_launches(pdl_cuda, monkeypatc
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = chain(static_in)
-    monkeypatch.setenv("SPECSERVE_PDL", "0")  # the reference: cuBLAS and plain launches
+    monkeypatch.setattr(env.settings, "pdl", False)  # the reference: cuBLAS and plain launches
     for x in inputs:
         static_in.copy_(x)
         graph.replay()

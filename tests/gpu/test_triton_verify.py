@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve import env
 from specserve.ops.random import hashed_uniform
 from specserve.ops.sampling import SAMPLE_SALT, SamplingTensors, sample, target_probs
 from specserve.sample.layout import RowLayout, build_layout
@@ -301,7 +302,7 @@ def test_dispatch(device, monkeypatch):
     verify(logits, drafts, None, plain, layout, fused=False)
     verify(logits, drafts, None, filtered, layout)
     verify(logits, drafts, torch.softmax(logits, -1), plain, layout)
-    monkeypatch.setenv("SPECSERVE_FUSED_VERIFY", "0")
+    monkeypatch.setattr(env.settings, "fused_verify", False)
     verify(logits, drafts, None, plain, layout)
     assert len(calls) == on_cuda
 

@@ -39,11 +39,10 @@ __all__ = [
 def default_tokenizer() -> Any:
     """The SmolLM2 tokenizer of the default model (used by dummy models). $SPECSERVE_TOKENIZER
     may name a saved tokenizer folder instead (machines that cannot fetch the default model)."""
-    import os
-
+    from specserve import env
     from specserve.model.loader.common import load_tokenizer
 
-    override = os.environ.get("SPECSERVE_TOKENIZER")
+    override = env.settings.tokenizer
     if override:
         return load_tokenizer(Path(override))
     return load_tokenizer(gguf_tokenizer_folder(default_model_path()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,6 @@ from tqdm import tqdm
 from specserve.model.config import ModelConfig
 from specserve.model.errors import ModelLoadError
 from specserve.model.registry import get_model_class
-
-# Every tokenizer / config read goes to local files only: specserve never talks to a model hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @dataclass

