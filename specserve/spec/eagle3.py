@@ -1,0 +1,179 @@
+"""EAGLE-3 drafter: a head on the target's hidden states chains k drafts per request.
+
+The target's forward captures the residual streams entering three of its layers and, in the same
+forward (a sink of aux_capture.py, inside the CUDA graph too), stores their fusion g = fc(aux)
+per KV slot: `store[slot(p)]` holds g at position p of the request owning the slot. So the
+store shares the target's block tables like the KV cache does, and whatever step computed a
+position (a prefill chunk, an overlapped plain step, a verify step) left its g behind.
+
+Head position p feeds (token p + 1, g_p) and predicts token p + 2. Its KV cache (one layer) also
+shares the target's block tables; positions [0, computed) of it are valid. Drafting for a
+request with N tokens: a catch-up over positions [computed, N - 2] (the tokens accepted since
+the last round; the last of them yields draft 1), then k - 1 chained steps, each at the next
+position feeding the draft just made and the previous step's pre-norm output as its hidden.
+The chained positions hold speculative inputs, so `computed` ends at N - 1 whatever is accepted:
+the next round rewrites them from the target's own g. A preemption frees the blocks (store and
+KV with them): computed restarts at 0 and the re-prefill rewrites the store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.sequence import Sequence
+from specserve.model.aux_capture import AuxCapture
+from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
+from specserve.ops.attention import paged_attention, write_kv
+from specserve.ops.forward_context import ForwardContext
+from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
+from specserve.runner.model_runner import ModelRunner, StepInputs
+
+
+class Eagle3Drafter:
+    has_q = True
+
+    def __init__(self, spec: SpeculativeConfig, engine) -> None:
+        self.engine = engine
+        self.k = spec.num_speculative_tokens
+        target, tc = engine.target_model, engine.model_config
+        self.head: Eagle3Head = load_eagle3_head(
+            spec.model, tc, engine.device, engine.dtype, target.embed_tokens
+        )
+        hc = self.head.config
+        bs, nblocks = engine.config.block_size, engine.num_kv_blocks
+        # the head's one-layer KV cache and the row layout (prepare_rows) of its forwards
+        self.runner = ModelRunner(
+            self.head,
+            1,
+            hc.num_key_value_heads,
+            hc.head_dim,
+            nblocks,
+            bs,
+            engine.dtype,
+            engine.device,
+        )
+        # [slots + 1, H]: g per KV slot; the last row takes the writes of padding rows
+        self.store = torch.zeros(
+            nblocks * bs + 1, hc.hidden_size, dtype=engine.dtype, device=engine.device
+        )
+        self._trash = nblocks * bs
+        max_rows = max(engine.max_num_batched_tokens, engine.config.max_num_seqs * (1 + self.k))
+        target.aux_capture = AuxCapture(
+            hc.layer_ids(tc.num_hidden_layers),
+            tc.hidden_size,
+            max_rows,
+            engine.dtype,
+            engine.device,
+            sink=self._store_fused,
+        )
+        # per request: head KV positions [0, computed) are valid, under this preemption count
+        self._computed: dict[str, tuple[int, int]] = {}
+
+    @torch.inference_mode()
+    def _store_fused(self, rows: torch.Tensor, ctx: ForwardContext) -> None:
+        """Sink of the target's forward: g = fc(aux) of each row into its KV slot's entry."""
+        slots = ctx.slot_mapping
+        slots = torch.where(slots >= 0, slots, self._trash)  # no host sync: padding -> trash
+        self.store.index_copy_(0, slots, self.head.fc(rows).to(self.store.dtype))
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
+        self._computed[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+
+    def release(self, seq: Sequence) -> None:
+        self._computed.pop(seq.request_id, None)
+
+    def confidence_samples(self) -> float | None:
+        return None  # confidences come from the head
+
+    def _valid(self, seq: Sequence) -> int:
+        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
+        return done if pre == seq.num_preemptions else 0
+
+    def _run(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One head step over the rows; (prenorm, logits, confidence logit) of the logit rows."""
+        cache, ctx = self.runner.kv_caches[0], inputs.ctx
+        scale = self.head.midlayer.self_attn.scale
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(k, v, cache, ctx.slot_mapping)
+            return paged_attention(q, cache, ctx, scale)
+
+        out = self.head.step(
+            inputs.input_ids, hidden, inputs.positions, attend, ctx.max_context_len
+        )
+        rows = inputs.logit_rows
+        conf = out.confidence[rows] if out.confidence is not None else None
+        return out.prenorm[rows], out.logits[rows], conf
+
+    @torch.inference_mode()
+    def propose(
+        self, seqs: list[Sequence], limits: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
+        eng = self.engine
+        bm = eng.block_manager
+        active: list[int] = []
+        for i, (seq, k) in enumerate(zip(seqs, limits)):
+            if k <= 0 or seq.num_tokens < 2:
+                limits[i] = 0
+                continue
+            # the chain writes head KV up to position num_tokens + k - 3: the blocks must exist
+            while k > 0 and not bm.can_allocate(seq.block_table, seq.num_tokens + k - 1):
+                k -= 1
+            limits[i] = k
+            if k > 0:
+                bm.allocate(seq.block_table, seq.num_tokens + k - 1)
+                active.append(i)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        confs: list[list[float]] = [[] for _ in seqs]
+        if not active:
+            return list(zip(drafts, confs))
+        # catch-up: positions [start, N - 2] feed tokens start+1 .. N-1 (at least the last one)
+        rows, starts = {}, {}
+        for i in active:
+            seq = seqs[i]
+            starts[i] = min(self._valid(seq), seq.num_tokens - 2)
+            rows[i] = seq.token_ids[starts[i] + 1 :]
+        hidden: torch.Tensor | None = None
+        pool = eng.slot_pool
+        for j in range(max(limits[i] for i in active)):
+            idx = [i for i in active if limits[i] > j]
+            inputs = self.runner.prepare_rows(
+                [rows[i] for i in idx],
+                [starts[i] for i in idx],
+                [seqs[i].block_table.blocks for i in idx],
+                [1] * len(idx),
+            )
+            assert isinstance(inputs, StepInputs)
+            if j == 0:
+                hidden = self.store[inputs.ctx.slot_mapping]  # the target's g at those positions
+            prenorm, logits, conf_logit = self._run(inputs, hidden)
+            t = SamplingTensors.build(
+                [seqs[i].params for i in idx],
+                [seqs[i].seed for i in idx],
+                [seqs[i].num_output_tokens + j for i in idx],
+                eng.device,
+            )
+            q = target_probs(self.head.target_logits(logits), t)  # [n, V], 0 off the draft vocab
+            tok = sample(q, t, DRAFT_SALT)  # [n]
+            conf = (
+                torch.sigmoid(conf_logit)
+                if conf_logit is not None
+                else q.gather(1, tok.unsqueeze(1)).squeeze(1)
+            )
+            pool.q[torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)] = q
+            # requests that stop drafting after this step drop out of the next one's rows
+            keep = [r for r, i in enumerate(idx) if limits[i] > j + 1]
+            hidden = prenorm[keep] if len(keep) < len(idx) else prenorm
+            for i, t_id, c in zip(idx, tok.tolist(), conf.tolist()):
+                drafts[i].append(t_id)
+                confs[i].append(c)
+                rows[i] = [t_id]
+                starts[i] = seqs[i].num_tokens - 1 + j
+        for i in active:
+            seq = seqs[i]
+            self._computed[seq.request_id] = (seq.num_tokens - 1, seq.num_preemptions)
+        return list(zip(drafts, confs))
