@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from specserve.train.errors import TrainHeadError
 
 DATA_FORMAT = 1
-GEN_CHUNK = 256  # prompts answered (and appended to the cache) per generate() call
+GEN_CHUNK = 64  # prompts answered (and appended to the cache) per generate() call
 
 
 @dataclass

@@ -231,7 +231,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         return {
-            "loss": float(res.loss),
+            "loss": float(res.loss.detach()),
             "grad_norm": float(grad_norm),
             "lr": self.scheduler.get_last_lr()[0],
             "ce": [s.ce for s in res.steps],
@@ -252,6 +252,7 @@ class Trainer:
             unit="step",
             disable=not self.progress,
         )
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "a", encoding="utf-8")
         try:
             while st.step < self.total_steps:

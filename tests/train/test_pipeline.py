@@ -1,0 +1,168 @@
+"""`specserve train-head` end to end on a tiny target (a few seconds on a CPU): the target's own
+answers cached, the loss going down, a head folder vLLM / SGLang / specserve load, calibration
+and tokens per step in the report; a resumed run equal to an uninterrupted one; user errors
+as one line before any model loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.cli.main import main
+from specserve.model.eagle3 import load_eagle3_head
+from specserve.model.loader import load_model
+from specserve.model.loader.eagle3 import CONFIDENCE_FILE
+from specserve.train.data import AnswerCache, DataSpec, Sample, split_samples
+from specserve.train.pipeline import HeadTrainingJob, train_head
+from specserve.train.trainer import Trainer, TrainOptions, build_head
+from specserve.train.vocab import build_draft_vocab
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _job(out: Path, target: Path, prompts: Path, **train: object) -> HeadTrainingJob:
+    opts = dict(ttt_steps=2, epochs=4, batch_size=4, lr=3e-3, save_every=1000)
+    opts.update(train)
+    return HeadTrainingJob(
+        out=out,
+        model=str(target),
+        prompts_file=prompts,
+        num_prompts=12,
+        max_answer_tokens=16,
+        draft_vocab_size=512,
+        heldout_fraction=0.34,
+        device="cpu",
+        progress=False,
+        train=TrainOptions(**opts),
+    )
+
+
+def test_train_head_end_to_end(tmp_path: Path, train_target_dir: Path, prompts_file: Path) -> None:
+    out = tmp_path / "run"
+    report = train_head(_job(out, train_target_dir, prompts_file))
+    # data: the target's own greedy answers, cached
+    cached = [json.loads(line) for line in (out / "data" / "samples.jsonl").open()]
+    assert len(cached) == 12 and all(len(s["answer_ids"]) == 16 for s in cached)
+    assert report["data"]["train"] + report["data"]["calibration"] + report["data"]["eval"] == 12
+    # the loss goes down
+    log = [json.loads(line) for line in (out / "train_log.jsonl").open()]
+    assert len(log) == report["train"]["total_steps"] == 8
+    assert sum(r["loss"] for r in log[-2:]) < 0.9 * sum(r["loss"] for r in log[:2])
+    # the report: tokens per step for k = 1..7, the acceptance curve, calibration
+    ev = report["eval"]
+    assert sorted(ev["tokens_per_step"], key=int) == [str(k) for k in range(1, 8)]
+    assert all(v >= 1.0 for v in ev["tokens_per_step"].values())
+    assert len(ev["acceptance_per_position"]) == 7
+    cal = report["calibration"]
+    assert len(cal["temperatures"]) == 7 and cal["ece_before_all"] >= 0
+    assert json.loads((out / "report.json").read_text())["eval"] == ev
+    # the head folder is vLLM / SGLang's format and loads back into specserve
+    head_dir = out / "head"
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 512
+    assert cfg["confidence_temperatures"] == cal["temperatures"]
+    from safetensors import safe_open
+
+    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+    } <= names
+    assert "d2t" in names and "t2d" in names and not any("confidence" in n for n in names)
+    assert (head_dir / CONFIDENCE_FILE).is_file()
+    target = load_model(str(train_target_dir), torch.float32, torch.device("cpu"), progress=False)
+    head = load_eagle3_head(
+        head_dir, target.config, "cpu", torch.float32, target.model.embed_tokens
+    )
+    assert head.confidence_head is not None
+    ids = head.draft_to_target()
+    assert torch.equal(head.t2d.nonzero().flatten(), ids)
+
+
+def _samples(n: int, seed: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sample(
+            i,
+            [1] + torch.randint(3, 800, (5,), generator=g).tolist(),
+            torch.randint(3, 800, (10,), generator=g).tolist(),
+        )
+        for i in range(n)
+    ]
+
+
+def test_resumed_training_equals_an_uninterrupted_run(
+    tmp_path: Path, train_target_dir: Path
+) -> None:
+    target = load_model(str(train_target_dir), torch.float32, torch.device("cpu"), progress=False)
+    samples = _samples(12, 0)
+    vocab = build_draft_vocab([s.answer_ids for s in samples], 128, 49152)
+    opts = TrainOptions(ttt_steps=2, max_steps=6, batch_size=4, lr=3e-3, save_every=100)
+
+    def trainer(out: Path) -> Trainer:
+        return Trainer(target.model, build_head(target.model, vocab, 0), samples, opts, out, False)
+
+    whole = trainer(tmp_path / "a")
+    whole.run()
+    first = trainer(tmp_path / "b")
+    first.run(stop_after=4)  # an interrupted run: 4 of 6 steps, checkpointed
+    assert first.state.step == 4 and not first.finished
+    again = trainer(tmp_path / "b")
+    again.load_checkpoint()
+    assert again.state.step == 4 and again.scheduler.last_epoch == 4
+    again.run()
+    assert again.finished and again.state.step == 6
+    for (name, a), (_, b) in zip(whole.head.state_dict().items(), again.head.state_dict().items()):
+        assert torch.equal(a, b), name
+    # a checkpoint refuses other settings
+    other = Trainer(
+        target.model,
+        build_head(target.model, vocab, 0),
+        samples,
+        TrainOptions(ttt_steps=3, max_steps=6, batch_size=4, lr=3e-3),
+        tmp_path / "b",
+        False,
+    )
+    with pytest.raises(ValueError, match="ttt_steps: checkpoint 2, now 3"):
+        other.load_checkpoint()
+
+
+def test_data_cache_and_split(tmp_path: Path) -> None:
+    spec = DataSpec("m", "sharegpt", 10, 512, 16, 0.0, 0)
+    cache = AnswerCache(tmp_path, spec)
+    cache.append(_samples(3, 1))
+    with open(cache.samples_path, "a") as f:
+        f.write('{"index": 3, "prompt_ids": [1')  # an interrupted write
+    assert [s.index for s in cache.load()] == [0, 1, 2]
+    other = AnswerCache(tmp_path, DataSpec("m", "sharegpt", 10, 512, 32, 0.0, 0))
+    with pytest.raises(ValueError, match="max_answer_tokens: cached 16, now 32"):
+        other.check_spec()
+    sp = split_samples(_samples(20, 2), 0.2, seed=0)
+    parts = [{s.index for s in p} for p in (sp.train, sp.calib, sp.eval)]
+    assert [len(p) for p in parts] == [16, 2, 2]
+    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    assert split_samples(_samples(20, 2), 0.2, seed=0).eval == sp.eval
+
+
+def test_user_errors_are_one_line_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(b"")
+    rc = main(["train-head", "--model", "dummy:nonexistent", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "already holds a training checkpoint" in err and "--resume" in err
+    rc = main(["train-head", "--out", str(tmp_path / "p"), "--ttt-steps", "0"])
+    assert rc == 2 and "--ttt-steps 0" in capsys.readouterr().err
+    rc = main(["train-head", "--out", str(tmp_path / "q"), "--resume"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    shutil.rmtree(out)
