@@ -106,10 +106,6 @@ def fetch_wheel(dist: str, version: str) -> Path:
 # ---------------------------------------------------------------- streaming a torn JSON array
 
 
-class _TornTail(Exception):
-    pass
-
-
 def iter_json_array(stream: IO[bytes], stats: dict[str, int] | None = None) -> Iterator[Any]:
     """Yield the elements of a top-level JSON array one at a time, tolerating a truncated end.
 

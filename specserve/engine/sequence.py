@@ -47,7 +47,6 @@ class Sequence:
     # KV ledger: positions [0, num_computed_tokens) have valid KV. advance_optimistically() moves it
     # forward by the rows scheduled in a step; commit_processed_tokens() sets what was kept.
     num_computed_tokens: int = 0
-    num_computed_before_step: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: BlockTable = field(default_factory=BlockTable)
     slot: int = 0  # draft slot; 0 = none (slot 0 is padding and never handed out)
@@ -96,7 +95,6 @@ class Sequence:
         return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     def advance_optimistically(self, num_rows: int) -> None:
-        self.num_computed_before_step = self.num_computed_tokens
         self.num_computed_tokens += num_rows
 
     def commit_processed_tokens(self, num_rows: int, num_kept_rows: int) -> None:

@@ -111,28 +111,6 @@ class StepSampler:
         t = h2d(seqlens_q, torch.int64, self.device)
         return build_layout(t, sum(seqlens_q), max(seqlens_q) - 1)
 
-    def run(
-        self,
-        logits: torch.Tensor,  # [total_q, V] raw target logits of the verify layout's rows
-        seqs: list[Sequence],  # sampling requests, in layout order
-        drafts: list[list[int]],
-        draft_probs: torch.Tensor | None = None,  # [total_q, V]
-    ) -> tuple[VerifyResult, HostStepResult]:
-        """launch() and wait() at once (the synchronous path)."""
-        step = self.launch(logits, seqs, drafts, draft_probs)
-        return step.result, step.wait()
-
-    def launch(
-        self,
-        logits: torch.Tensor,  # [total_q, V]
-        seqs: list[Sequence],
-        drafts: list[list[int]],
-        draft_probs: torch.Tensor | None = None,  # [total_q, V]
-        next_tokens: torch.Tensor | None = None,  # [slots] int64: each request's sampled token
-    ) -> SampledStep:
-        """plan() then execute(): queue the step's verification without waiting for it."""
-        return self.execute(self.plan(seqs, drafts), logits, draft_probs, next_tokens)
-
     def plan(self, seqs: list[Sequence], drafts: list[list[int]]) -> SamplerPlan:
         """Everything the verification needs from the host, read from the requests now (so the
         device part may run later, e.g. in a worker thread, while the ledger moves on). A

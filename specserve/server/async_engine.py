@@ -133,10 +133,6 @@ class AsyncEngine:
         answers its client with it, and the engine frees their KV. Finished ones are skipped."""
         self._cmds.put(_Fail(list(request_ids), error))
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) in the engine thread, between two steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
