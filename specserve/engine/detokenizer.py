@@ -123,6 +123,10 @@ class _WindowDecoder:
         self._read = 0
         self._context_text = ""  # == decode(ids[:read]), cached
 
+    @property
+    def window_size(self) -> int:
+        return len(self._ids)
+
     def push(self, token_id: int) -> str:
         """Adds a token; returns the text it (and earlier pending tokens) completed."""
         if token_id in self._skip_ids:
