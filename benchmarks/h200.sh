@@ -13,7 +13,7 @@ B1="bench throughput --dataset random --input-len 128 --max-tokens 256 --ignore-
 SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats 9 --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
 case ${1:-decode} in
   tests)  # the GPU test suite (~6 min)
-    timeout 560 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests 2>&1 | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
+    timeout 560 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu tests/ops tests/model 2>&1 | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
     tail -3 "$OUT/gpu_tests.txt" ;;
   decode)  # batch-1 decode against the copy-bandwidth roofline; 256 requests against HF continuous batching
     $S $B1 --model dummy:llama-3.1-8b --json "$OUT/b1_llama8b.json"
