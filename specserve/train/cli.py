@@ -114,6 +114,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="stop training after this many seconds in this run (checkpointed)",
     )
+    r.add_argument(
+        "--engine-eval-k",
+        type=int,
+        default=5,
+        help="after training, serve the held-out prompts with the head (method eagle3, k "
+        "drafts a step) and report tokens per step; 0: skip (default 5)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_head)
 
@@ -141,6 +148,7 @@ def job_from_args(args: argparse.Namespace):
         stop_after=args.stop_after,
         time_limit=args.time_limit,
         save_dtype=args.save_dtype,
+        engine_eval_k=args.engine_eval_k,
         progress=not args.no_progress,
         train=TrainOptions(
             ttt_steps=args.ttt_steps,

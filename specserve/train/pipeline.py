@@ -57,6 +57,7 @@ class HeadTrainingJob:
     stop_after: int | None = None  # optimizer steps in this run, then a checkpoint and exit
     time_limit: float | None = None  # seconds of training in this run, likewise
     save_dtype: str = "bfloat16"
+    engine_eval_k: int = 5  # > 0: also speculate with the saved head through the engine
     progress: bool = True
     train: TrainOptions = field(default_factory=TrainOptions)
 
@@ -80,6 +81,8 @@ def check_job(job: HeadTrainingJob) -> None:
         raise TrainHeadError("--batch-size and --max-tokens-per-batch must be >= 1")
     if not t.lr > 0:
         raise TrainHeadError(f"--lr {t.lr}: need > 0")
+    if job.engine_eval_k < 0 or job.engine_eval_k > 16:
+        raise TrainHeadError(f"--engine-eval-k {job.engine_eval_k}: need 0..16")
     if job.save_dtype not in SAVE_DTYPES:
         raise TrainHeadError(f"--save-dtype {job.save_dtype!r}: one of {', '.join(SAVE_DTYPES)}")
     if job.prompts_file is not None and not job.prompts_file.is_file():
@@ -212,6 +215,47 @@ def save_head(head: torch.nn.Module, cal: Calibration | None, path: Path, dtype:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
+def engine_eval(job: HeadTrainingJob, head_dir: Path, samples: list[Sample]) -> dict[str, Any]:
+    """The saved head as the engine serves it: method "eagle3" with k drafts per step and the
+    verify budget off (every step verifies k), greedy, on the held-out prompts. Greedy answers
+    must come out identical to the target's own (the cached ones, when those are greedy)."""
+    from specserve import LLM, SamplingParams
+
+    k = job.engine_eval_k
+    llm = LLM(
+        model=job.model,
+        dtype=job.dtype,
+        device=job.device,
+        seed=job.train.seed,
+        max_num_seqs=job.max_num_seqs,
+        progress=False,
+        speculative_config={
+            "method": "eagle3",
+            "model": str(head_dir),
+            "num_speculative_tokens": k,
+            "verify_budget": "off",
+        },
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=job.max_answer_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate([s.prompt_ids for s in samples], params, use_tqdm=job.progress)
+    seconds = time.perf_counter() - t0
+    m = llm.get_metrics()
+    out: dict[str, Any] = {
+        "k": k,
+        "prompts": len(samples),
+        "tokens_per_step": m["spec_mean_acceptance_length"],
+        "acceptance_per_position": m["spec_acceptance_per_position"],
+        "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "seconds": round(seconds, 2),
+    }
+    if job.gen_temperature == 0.0:
+        out["identical_to_target_greedy"] = sum(
+            list(o.outputs[0].token_ids) == s.answer_ids for o, s in zip(outs, samples)
+        )
+    return out
+
+
 def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     """The whole job; returns (and writes) the report."""
     from specserve import LLM
@@ -299,6 +343,12 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     report["eval"] = {**ev.as_dict(), "teacher_forced_acc_per_step": tf_acc}
     report["calibration"] = cal.as_dict() if cal is not None else None
     report["head"] = {"path": str(job.out / "head"), "bytes": size, "dtype": job.save_dtype}
+    if job.engine_eval_k > 0 and split.eval:
+        try:
+            report["engine_eval"] = engine_eval(job, job.out / "head", split.eval)
+        except Exception as e:  # the head is saved either way; say why the check did not run
+            report["engine_eval"] = {"error": f"{type(e).__name__}: {e}"}
+            _log(f"engine evaluation failed: {type(e).__name__}: {e}")
     report["seconds_total"] = round(time.perf_counter() - t_start, 1)
     (job.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"held-out evaluation ({ev.num_sequences} prompts, {ev.num_chains} chains, greedy):")
@@ -310,5 +360,18 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
             + " ".join(f"{a:.3f}->{b:.3f}" for a, b in zip(cal.ece_before, cal.ece_after))
         )
         print("temperatures per position: " + " ".join(f"{t:.3f}" for t in cal.temperatures))
+    eng = report.get("engine_eval")
+    if eng and "error" not in eng:
+        same = eng.get("identical_to_target_greedy")
+        print(
+            f"through the engine (eagle3, k={eng['k']}, greedy): {eng['tokens_per_step']:.3f} "
+            "tokens per step; acceptance per position "
+            + " ".join(f"{a:.3f}" for a in eng["acceptance_per_position"])
+            + (
+                f"; {same}/{eng['prompts']} answers identical to the target's"
+                if same is not None
+                else ""
+            )
+        )
     print(f"head: {job.out / 'head'} ({size / 2**20:.1f} MiB); report: {job.out / 'report.json'}")
     return report

@@ -36,6 +36,7 @@ def _job(out: Path, target: Path, prompts: Path, **train: object) -> HeadTrainin
         draft_vocab_size=512,
         heldout_fraction=0.34,
         device="cpu",
+        engine_eval_k=2,
         progress=False,
         train=TrainOptions(**opts),
     )
@@ -60,6 +61,11 @@ def test_train_head_end_to_end(tmp_path: Path, train_target_dir: Path, prompts_f
     cal = report["calibration"]
     assert len(cal["temperatures"]) == 7 and cal["ece_before_all"] >= 0
     assert json.loads((out / "report.json").read_text())["eval"] == ev
+    # served through the engine (method eagle3): greedy answers are the target's own
+    eng = report["engine_eval"]
+    assert "error" not in eng, eng
+    assert eng["k"] == 2 and eng["tokens_per_step"] >= 1.0
+    assert eng["identical_to_target_greedy"] == report["data"]["eval"]
     # the head folder is vLLM / SGLang's format and loads back into specserve
     head_dir = out / "head"
     cfg = json.loads((head_dir / "config.json").read_text())
