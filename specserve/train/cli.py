@@ -101,6 +101,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--max-num-seqs", type=int, default=64, help="requests answered at once (default 64)"
     )
+    r.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="CUDA: the engine's share of device memory (weights + KV cache) while answering "
+        "prompts; the rest is left to training (default 0.3)",
+    )
     r.add_argument("--resume", action="store_true", help="go on from the checkpoint in --out")
     r.add_argument(
         "--stop-after",
@@ -144,6 +151,7 @@ def job_from_args(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         resume=args.resume,
         stop_after=args.stop_after,
         time_limit=args.time_limit,

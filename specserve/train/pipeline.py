@@ -10,6 +10,7 @@ the head folder and a JSON report.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -53,6 +54,8 @@ class HeadTrainingJob:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 64
+    # CUDA: the engine's share of the device (weights + KV cache); the rest is training's
+    gpu_memory_utilization: float = 0.3
     resume: bool = False
     stop_after: int | None = None  # optimizer steps in this run, then a checkpoint and exit
     time_limit: float | None = None  # seconds of training in this run, likewise
@@ -83,6 +86,8 @@ def check_job(job: HeadTrainingJob) -> None:
         raise TrainHeadError(f"--lr {t.lr}: need > 0")
     if job.engine_eval_k < 0 or job.engine_eval_k > 16:
         raise TrainHeadError(f"--engine-eval-k {job.engine_eval_k}: need 0..16")
+    if not 0.0 < job.gpu_memory_utilization <= 1.0:
+        raise TrainHeadError(f"--gpu-memory-utilization {job.gpu_memory_utilization}: need (0, 1]")
     if job.save_dtype not in SAVE_DTYPES:
         raise TrainHeadError(f"--save-dtype {job.save_dtype!r}: one of {', '.join(SAVE_DTYPES)}")
     if job.prompts_file is not None and not job.prompts_file.is_file():
@@ -228,6 +233,7 @@ def engine_eval(job: HeadTrainingJob, head_dir: Path, samples: list[Sample]) -> 
         device=job.device,
         seed=job.train.seed,
         max_num_seqs=job.max_num_seqs,
+        gpu_memory_utilization=job.gpu_memory_utilization,
         progress=False,
         speculative_config={
             "method": "eagle3",
@@ -270,6 +276,7 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
         device=job.device,
         seed=job.train.seed,
         max_num_seqs=job.max_num_seqs,
+        gpu_memory_utilization=job.gpu_memory_utilization,
         progress=job.progress,
     )
     target = llm.engine.target_model
@@ -344,6 +351,12 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     report["calibration"] = cal.as_dict() if cal is not None else None
     report["head"] = {"path": str(job.out / "head"), "bytes": size, "dtype": job.save_dtype}
     if job.engine_eval_k > 0 and split.eval:
+        # the training engine (its KV cache), the trainer and the head go before a new engine
+        # loads the head from disk
+        del llm, trainer, head, target
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         try:
             report["engine_eval"] = engine_eval(job, job.out / "head", split.eval)
         except Exception as e:  # the head is saved either way; say why the check did not run
