@@ -120,7 +120,8 @@ def build_data(job: HeadTrainingJob, llm: Any) -> list[Sample]:
     cache = AnswerCache(job.out / "data", spec)
     cache.check_spec()
     if job.prompts_file is None:
-        texts = sharegpt_prompts(2 * job.num_prompts + 64, job.train.seed)
+        # more than asked: the length filter drops many (tokenizing stops once enough pass)
+        texts = sharegpt_prompts(10 * job.num_prompts + 64, job.train.seed)
     else:
         texts = file_prompts(job.prompts_file)
     prompts = tokenize_prompts(llm.tokenizer, texts, job.num_prompts, job.max_prompt_tokens)
