@@ -34,6 +34,7 @@ from specserve.spec.budget_policy import VerifyBudgetPolicy
 from specserve.spec.drafter import build_drafter
 from specserve.spec.speculator import Speculator
 from specserve.spec.step_timer import StepTimer
+from specserve.structured.backend import GrammarBackend
 
 log = logging.getLogger("specserve.engine")
 _FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
@@ -176,6 +177,8 @@ class LLMEngine:
         self.pool = OutputPool(cap)
         self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
         self.sampler = StepSampler(self.device, eos, self.model_config.vocab_size)
+        # structured outputs: xgrammar is set up at the first request that needs it
+        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
         self.requests: dict[str, Sequence] = {}
         self._terminal: list[Sequence] = []  # ended without a token; reported next step
         self._rng = random.Random(config.seed)
@@ -275,6 +278,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, text, ids, params, seed)
+        if params.structured_outputs is not None:
+            # compiled here, before queueing (the server compiles earlier, off this thread,
+            # and finds it cached); a constraint that does not compile is the caller's error
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if self.tokenizer is not None:
@@ -488,17 +495,24 @@ class LLMEngine:
         self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
         inputs = self.runner.prepare(batch)
         plan = draft_q = None
+        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+        worker = overlap and self._worker is not None
         if seqs:
-            drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-            plan = self.sampler.plan(seqs, drafts)
+            if worker:  # read from the requests before this thread moves on
+                plan = self.sampler.plan(seqs, drafts)
             draft_q = self.speculator.draft_q(seqs, drafts) if self.speculator else None
         next_tokens = self.runner.next_tokens if overlap else None
 
         def device_part() -> SampledStep | None:
             logits = self.runner.forward(inputs)
-            return self.sampler.execute(plan, logits, draft_q, next_tokens) if plan else None
+            if not seqs:
+                return None
+            # in this thread the plan (grammar bitmasks: host work) is built while the device
+            # runs the forward just queued
+            p = plan if plan is not None else self.sampler.plan(seqs, drafts)
+            return self.sampler.execute(p, logits, draft_q, next_tokens)
 
-        if overlap and self._worker is not None:
+        if worker:
             # CPU: the forward runs in the worker while this thread runs the ledger of the
             # previous step and builds the next one (torch releases the GIL inside its ops)
             sampled: SampledStep | _WorkerStep | None = _WorkerStep(

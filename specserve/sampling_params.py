@@ -15,6 +15,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the RNG keeps a seed's low 64 bits (ops/random.py)
 FLOAT32_MAX = 3.4028234663852886e38  # floats reach the sampler as float32: larger ones are inf
@@ -124,6 +126,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # prompt_logprobs: None off; N >= 0: logprob of each prompt token given its prefix + top-N
     prompt_logprobs: int | None = None
+    # structured outputs (vLLM's shape): json / regex / choice / grammar / json_object /
+    # structural_tag; a dict is taken as StructuredOutputsParams' fields
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # bad_words tokenized (with and without a leading space) by resolve_bad_words at request entry
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list, init=False, repr=False, compare=False
@@ -199,6 +204,17 @@ class SamplingParams:
         if self.golden_token_ids is not None:
             self.golden_token_ids = _token_ids(self.golden_token_ids, "golden_token_ids")
         self._validate_logits_processing()
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        so = StructuredOutputsParams.from_dict(self.structured_outputs)
+        so.validate()
+        self.structured_outputs = so
+        if self.min_tokens > 0:
+            # a grammar that completes must be able to end the request at once
+            raise _bad("min_tokens cannot be combined with structured_outputs", "min_tokens")
 
     @staticmethod
     def _stop_list(stop: Any) -> list[str]:
@@ -234,14 +250,20 @@ class SamplingParams:
     # -- logits processing and prompt logprobs ---------------------------------------------
     @property
     def has_logits_processing(self) -> bool:
-        """Any of logit_bias / allowed_token_ids / bad_words set (the sampler's slow path)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+        """Any of logit_bias / allowed_token_ids / bad_words / structured_outputs set (the
+        sampler's slow path)."""
+        return (
+            bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+            or self.structured_outputs is not None
+        )
 
     @property
     def reads_output_tokens(self) -> bool:
-        """The sampler needs every output token on the host (penalties, bad words), so a step
-        of this request cannot overlap the one in flight."""
-        return self.has_penalties or bool(self.bad_words)
+        """The sampler needs every output token on the host (penalties, bad words, the grammar
+        of structured outputs), so a step of this request cannot overlap the one in flight."""
+        return self.has_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     def _validate_logits_processing(self) -> None:
         """Types and ranges of logit_bias, allowed_token_ids, bad_words, prompt_logprobs

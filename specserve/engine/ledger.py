@@ -168,6 +168,11 @@ class Ledger:
             pushed += 1
             # the stop check feeds the detokenizer, so it runs before the output takes its text
             stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
+            # structured outputs: the grammar advances by emitted tokens only; once it is
+            # finished the request stops, also where max_tokens ends it at the same token
+            if seq.grammar is not None and seq.grammar.advance(tok):
+                if stop is None or stop[0] is FinishReason.LENGTH:
+                    stop = FinishReason.STOP, None
             outputs.append(self._token_output(seq, tok, row + j, res, step))
             if stop is not None:
                 break

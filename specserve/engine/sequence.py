@@ -64,6 +64,8 @@ class Sequence:
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine
     # prompt_logprobs requests: runner.prompt_logprobs.PromptLogprobs, made by the model runner
     prompt_logprobs_state: object | None = None
+    # structured outputs: specserve.structured.matcher.RequestGrammar, set by the engine
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -9,6 +9,7 @@ verify row is the one plain decoding samples from, and speculation stays lossles
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -56,6 +57,8 @@ def plan_logits_processing(
     allow_ids: list[list[int]] = []
     ban_rows: list[int] = []
     ban_cols: list[int] = []
+    grammar_rows: list[int] = []
+    grammar_seqs: list[tuple[Sequence, list[int], int]] = []  # (request, drafts, first row)
     row = 0
     for seq, d in zip(seqs, drafts):
         p = seq.params
@@ -80,6 +83,10 @@ def plan_logits_processing(
                     )
                 ban_rows.extend([row + j] * len(banned))
                 ban_cols.extend(banned)
+        if seq.grammar is not None:
+            assert not seq.num_pending, "a grammar needs every output token on the host"
+            grammar_seqs.append((seq, d, len(grammar_rows)))
+            grammar_rows.extend(range(row, row + n))
         row += n
 
     def i64(x: list[int] | np.ndarray) -> torch.Tensor:
@@ -96,6 +103,31 @@ def plan_logits_processing(
         allowed = (i64(allow_rows), i64(ids))
     if ban_rows:
         banned = (i64(ban_rows), i64(ban_cols))
-    if bias is None and allowed is None and banned is None:
+    bitmask = None
+    if grammar_rows:
+        bitmask = (i64(grammar_rows), h2d(grammar_bitmask(grammar_seqs), torch.int32, device))
+    if bias is None and allowed is None and banned is None and bitmask is None:
         return None
-    return LogitsProcessing(bias, allowed, banned)
+    return LogitsProcessing(bias, allowed, banned, bitmask)
+
+
+def grammar_bitmask(entries: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
+    """[G, W] int32 host bitmask: for each request, one row per verify row (its matcher
+    advanced through the drafts before the row, then rolled back). A request whose
+    allowed_token_ids leave a row of its grammar nothing to sample ends here, alone."""
+    t0 = time.perf_counter()
+    first = entries[0][0].grammar
+    rows = sum(len(d) + 1 for _, d, _ in entries)
+    bits = torch.empty(rows, first.width, dtype=torch.int32)  # [G, W]
+    for seq, d, start in entries:
+        g = seq.grammar
+        g.fill_rows(bits, start, d)
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None:
+            for j in range(len(d) + 1):
+                if not any(g.allows(bits, start + j, t) for t in allowed):
+                    raise ValueError(
+                        f"{seq.request_id}: no token allowed_token_ids permits fits the grammar"
+                    )
+    first.stats.record(rows, time.perf_counter() - t0)
+    return bits

@@ -27,6 +27,7 @@ import torch
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
+from specserve.structured.drafts import truncate_drafts
 
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
@@ -135,6 +136,8 @@ class Speculator:
             limits.append(max(0, room))
         t0 = time.perf_counter()
         proposals = self.drafter.propose(ready, limits)
+        # structured outputs: drafts past the first one a grammar rejects are never verified
+        proposals = truncate_drafts(ready, proposals, keep_rejected=self.drafter.has_q)
         budget = eng.budget
         if budget is not None:
             budget.record_draft_time(time.perf_counter() - t0)

@@ -1,0 +1,101 @@
+"""One request's grammar state: advanced for real only by the tokens the ledger emits; advanced
+through a step's drafts (then rolled back) to check them and to fill one bitmask row per verify
+row.
+
+Row j of a request's verify rows is the distribution of the token after its output and the j
+drafts before the row, so its mask is the matcher's state after those drafts: exactly the mask
+plain decoding would apply had the drafts been emitted one step at a time. With every row masked
+so, rejection sampling verifies against the masked target distribution and stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MaskStats:
+    """Host time spent filling grammar bitmasks (one engine's backend)."""
+
+    steps: int = 0  # steps with at least one grammar row
+    rows: int = 0
+    seconds: float = 0.0
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
+
+
+class GrammarRejected(ValueError):
+    """A token the grammar does not allow reached the ledger (a bug, or a request whose other
+    bans left its mask empty): the request ends alone."""
+
+
+class RequestGrammar:
+    def __init__(
+        self, matcher: Any, width: int, stop_ids: list[int], stats: MaskStats | None = None
+    ) -> None:
+        self.m = matcher  # xgrammar.GrammarMatcher
+        self.width = width  # int32 words per bitmask row
+        self.stop_ids = stop_ids
+        self.stats = stats if stats is not None else MaskStats()
+        self._scratch = torch.zeros(1, width, dtype=torch.int32)
+
+    # -- the ledger ---------------------------------------------------------------------------
+    def advance(self, token: int) -> bool:
+        """Accept an emitted token. True when the grammar is now finished (the request stops)."""
+        if not self.m.accept_token(token):
+            raise GrammarRejected(f"token {token} is not allowed by the request's grammar")
+        return self.finished()
+
+    def finished(self) -> bool:
+        """Terminated (a stop token accepted), or complete with nothing but a stop token able to
+        follow: the next token would be EOS with probability 1, so the request ends now."""
+        if self.m.is_terminated():
+            return True
+        if not self.m.is_completed():
+            return False
+        self.m.fill_next_token_bitmask(self._scratch, 0)
+        for s in self.stop_ids:
+            self._scratch[0, s // 32] &= ~(1 << (s % 32))
+        return not bool(self._scratch.any())
+
+    # -- drafts -------------------------------------------------------------------------------
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar accepts (the matcher is left as it was)."""
+        n = 0
+        for t in drafts:
+            if self.m.is_terminated() or not self.m.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.m.rollback(n)
+        return n
+
+    def fill_rows(self, bitmask: torch.Tensor, first: int, drafts: list[int]) -> None:
+        """bitmask[first + j] = the mask after drafts[:j], for j = 0 .. len(drafts); the
+        matcher is left as it was. A row past a draft the grammar rejects, or past a stop token,
+        is never reached (that draft is rejected, or the request stops there): it gets the
+        previous row's mask so that no row is empty."""
+        accepted = 0
+        live = True
+        for j in range(len(drafts) + 1):
+            if live:
+                self.m.fill_next_token_bitmask(bitmask, first + j)
+            else:
+                bitmask[first + j] = bitmask[first + j - 1]
+            if j < len(drafts) and live:
+                if self.m.accept_token(drafts[j]):
+                    accepted += 1
+                    live = not self.m.is_terminated()
+                else:
+                    live = False
+        if accepted:
+            self.m.rollback(accepted)
+
+    def allows(self, bitmask: torch.Tensor, row: int, token: int) -> bool:
+        return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
