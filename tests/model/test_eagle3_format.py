@@ -181,12 +181,14 @@ def test_save_then_load_is_the_same_head(tiny_head, tmp_path):
 
 
 def test_a_head_trained_from_scratch_saves_in_the_format(tmp_path):
-    cfg = Eagle3Config.from_dict(head_config(32, 64, 2, 1, 16, 100, 100))
+    raw = head_config(32, 64, 2, 1, 16, 100, 100, eagle_aux_hidden_state_layer_ids=[1, 3, 4])
+    cfg = Eagle3Config.from_dict(raw)
     head = Eagle3Head(cfg, _embedding(TINY), confidence_head=False)
     save_eagle3_head(head, cfg, tmp_path / "h")
     assert not (tmp_path / "h" / "confidence_head.safetensors").exists()
     again = load_eagle3_head(tmp_path / "h", TINY, "cpu", torch.float32, _embedding(TINY))
     assert again.confidence_head is None and again.draft_to_target().tolist() == list(range(100))
+    assert again.config.layer_ids(TINY.num_hidden_layers) == (1, 3, 4)
 
 
 def _break(tiny_head: Path, fn) -> Path:

@@ -57,7 +57,7 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _copy_head(path: Path, target: tuple[str, ModelConfig], ref) -> Path:
+def _copy_head(path: Path, target: tuple[str, ModelConfig], ref, device: str = "cpu") -> Path:
     """A head that drafts the context's majority token (fc = 0, uniform attention over the
     normed embeddings, lm_head rows = normed target embeddings): it is often right on the
     repetitive outputs of a random target, so accepts of every length happen."""
@@ -65,8 +65,9 @@ def _copy_head(path: Path, target: tuple[str, ModelConfig], ref) -> Path:
     h = tc.hidden_size
     counts = Counter(t for r in ref for t in r)
     ids = sorted({t for t, _ in counts.most_common(12)} | set(range(200, 212)))
-    emb = load_model(target[0], torch.float32, torch.device("cpu"), progress=False)
-    e = emb.model.embed_tokens.weight.detach()
+    # the embedding the target has on `device` (a dummy model's weights depend on the device)
+    emb = load_model(target[0], torch.float32, torch.device(device), progress=False)
+    e = emb.model.embed_tokens.weight.detach().cpu()
     e = e / e.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
     z = torch.zeros
     g = torch.Generator().manual_seed(3)
@@ -88,7 +89,7 @@ def _copy_head(path: Path, target: tuple[str, ModelConfig], ref) -> Path:
         "d2t": torch.tensor(ids) - torch.arange(len(ids)),
         "t2d": torch.zeros(tc.vocab_size, dtype=torch.bool).index_fill_(0, torch.tensor(ids), 1),
     }
-    cfg = head_config(h, 2 * h, 4, 4, 16, tc.vocab_size, len(ids))
+    cfg = head_config(h, 2 * h, h // 16, h // 16, 16, tc.vocab_size, len(ids))
     cfg["eagle_aux_hidden_state_layer_ids"] = LAYERS
     return write_head(path, cfg, t)
 
@@ -137,7 +138,8 @@ def _spy(llm) -> list[tuple[list[int], list[int], list[float], int]]:
 )
 def test_greedy_eagle3_is_token_for_token_identical(target, prompts, ref, heads, head, kw):
     kw = dict(kw)
-    engine_kw: dict = {"debug_invariants": True, "max_num_batched_tokens": 48}
+    # 8 requests at most: the auto budget's start-up calibration times few buckets
+    engine_kw: dict = {"debug_invariants": True, "max_num_batched_tokens": 48, "max_num_seqs": 8}
     if kw.pop("overlap", False):
         engine_kw["overlap"] = True
     if kw.pop("preempt", False):
@@ -181,10 +183,25 @@ def _reference_drafts(llm, loaded, tokens: list[int], k: int) -> tuple[list[int]
     return drafts, confs
 
 
+def _pause_every_other_round(llm) -> None:
+    """The verify budget keeps nothing every other drafting round (speculation pauses: plain
+    overlapped steps follow) and each pause ends when due: pauses independent of timing."""
+    budget = llm.engine.budget
+    real, calls = budget.trim, [0]
+
+    def trim(ready, drafts, confs):
+        calls[0] += 1
+        keep = real(ready, drafts, confs)
+        return [0] * len(keep) if calls[0] % 2 else [len(d) for d in drafts]
+
+    budget.trim = trim
+    budget.keeps_pausing = lambda: False
+
+
 @pytest.mark.parametrize("head", ["copy", "random"])
 def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, heads, head):
     """Catch-up, chain, rollback after accepts and rejects, preemption, prefix-cache reuse and
-    the plain overlapped steps of a paused speculation (the auto budget pauses the random head)
+    the plain overlapped steps of a paused speculation (forced for the random head)
     leave the head's KV and the stored hidden states exactly what a fresh computation gives."""
     kw = {"verify_budget": "off"} if head == "copy" else {}
     llm = make_llm(
@@ -192,10 +209,13 @@ def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, h
         speculative_config=_spec(heads[head], k=3, **kw),
         kv_cache_memory_gb=10 * 16384 / 2**30,
         max_num_batched_tokens=48,
+        max_num_seqs=8,
         overlap=head == "random",
         debug_invariants=True,
     )
     records = _spy(llm)
+    if head == "random":
+        _pause_every_other_round(llm)
     outs = llm.generate(prompts, SP, use_tqdm=False)
     assert _ids(outs) == ref
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -285,10 +305,14 @@ def test_sampling_with_eagle3_runs_seeded_and_reproducibly(target, prompts, head
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
     spec = _spec(heads["copy"], verify_budget="off")
     a = _ids(
-        make_llm(model=target[0], speculative_config=spec).generate(prompts[:2], sp, use_tqdm=False)
+        make_llm(model=target[0], speculative_config=spec, max_num_seqs=2).generate(
+            prompts[:2], sp, use_tqdm=False
+        )
     )
     b = _ids(
-        make_llm(model=target[0], speculative_config=spec).generate(prompts[:2], sp, use_tqdm=False)
+        make_llm(model=target[0], speculative_config=spec, max_num_seqs=2).generate(
+            prompts[:2], sp, use_tqdm=False
+        )
     )
     assert a == b and all(len(x) == 10 for x in a)
 
