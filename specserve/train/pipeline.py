@@ -251,7 +251,10 @@ def engine_eval(job: HeadTrainingJob, head_dir: Path, samples: list[Sample]) -> 
     out: dict[str, Any] = {
         "k": k,
         "prompts": len(samples),
+        # 1 + accepted / steps that drafted (the engine's metric: a request's last step, with
+        # no room left to draft, is not counted; evaluate.py's walk counts it)
         "tokens_per_step": m["spec_mean_acceptance_length"],
+        "accepted_tokens": m["spec_accepted_tokens"],
         "acceptance_per_position": m["spec_acceptance_per_position"],
         "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "seconds": round(seconds, 2),

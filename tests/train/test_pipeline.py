@@ -17,8 +17,9 @@ from specserve.model.eagle3 import load_eagle3_head
 from specserve.model.loader import load_model
 from specserve.model.loader.eagle3 import CONFIDENCE_FILE
 from specserve.train.data import AnswerCache, DataSpec, Sample, split_samples
-from specserve.train.pipeline import HeadTrainingJob, train_head
-from specserve.train.trainer import Trainer, TrainOptions, build_head
+from specserve.train.evaluate import draft_chains, walk
+from specserve.train.pipeline import HeadTrainingJob, engine_eval, train_head
+from specserve.train.trainer import Trainer, TrainOptions, build_head, run_batches
 from specserve.train.vocab import build_draft_vocab
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -91,6 +92,17 @@ def test_train_head_end_to_end(tmp_path: Path, train_target_dir: Path, prompts_f
     assert head.confidence_head is not None
     ids = head.draft_to_target()
     assert torch.equal(head.t2d.nonzero().flatten(), ids)
+    # the evaluation's chains are the engine's: on the training prompts (where the head does
+    # draft right) the simulated walk accepts what the engine's eagle3 drafter accepts
+    job = _job(out, train_target_dir, prompts_file)
+    split = split_samples(AnswerCache(out / "data", None).load(), 0.34, 0)
+    rows = run_batches(
+        lambda b: draft_chains(head, b, 2), target.model, head, split.train, 4, 8192, "", False
+    )
+    simulated = sum(t - s for t, s in (walk(a, 2) for r in rows for a in r.accepted))
+    eng = engine_eval(job, head_dir, split.train)
+    assert simulated > 0 and eng["identical_to_target_greedy"] == len(split.train)
+    assert abs(eng["accepted_tokens"] - simulated) <= max(2, 0.05 * simulated)
 
 
 def _samples(n: int, seed: int) -> list[Sample]:
