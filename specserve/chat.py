@@ -2,9 +2,9 @@
 
 vLLM's rules: the template renders text (add_generation_prompt / continue_final_message and any
 chat_template_kwargs are the template's variables), and the text is then tokenized with
-add_special_tokens (False by default: only the special tokens the template writes). Tool calling
-has its own issue; until then a conversation that carries it is refused by name, never rendered
-without it.
+add_special_tokens (False by default: only the special tokens the template writes). Tools and
+tool-calling history (assistant tool_calls, role "tool" results) go through the template's own
+tool format where it has one, else a Hermes-style rewrite (structured/tools.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from specserve.sampling_params import InvalidRequestError
+from specserve.structured.tools import (
+    TemplateTools,
+    ToolFunction,
+    template_tools,
+    tool_conversation,
+)
 
-TOOLS_UNSUPPORTED = "tool calling is not supported yet"
+FUNCTIONS_UNSUPPORTED = "the deprecated function-calling fields are not supported; use tools"
 # chat_template_kwargs keys that would collide with the renderer's own arguments
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"chat_template", "conversation", "tokenize", "return_dict", "tools", "tokenizer_kwargs"}
@@ -22,22 +28,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 def template_messages(messages: Any) -> list[dict[str, Any]]:
     """Offline messages as templates expect them (content a string), checked: each a dict with a
-    role, text content (a string or text parts), no tool-calling history."""
+    role, text content (a string or text parts); tool history as OpenAI shapes it."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of dicts", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequestError(f"messages[{i}] must be a dict with a 'role'", "messages")
-        if m["role"] in ("tool", "function"):
+        if m["role"] == "function":
             raise InvalidRequestError(
-                f"messages[{i}]: role {m['role']!r}: {TOOLS_UNSUPPORTED}", f"messages[{i}].role"
+                f"messages[{i}]: role 'function': {FUNCTIONS_UNSUPPORTED}", f"messages[{i}].role"
             )
-        for key in ("tool_calls", "function_call"):
-            if m.get(key):
-                raise InvalidRequestError(
-                    f"messages[{i}].{key}: {TOOLS_UNSUPPORTED}", f"messages[{i}].{key}"
-                )
+        if m.get("function_call"):
+            raise InvalidRequestError(
+                f"messages[{i}].function_call: {FUNCTIONS_UNSUPPORTED}",
+                f"messages[{i}].function_call",
+            )
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or m["role"] != "assistant"):
+            raise InvalidRequestError(
+                f"messages[{i}].tool_calls must be a list, on an assistant message",
+                f"messages[{i}].tool_calls",
+            )
         content = m.get("content")
         if isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
@@ -68,20 +80,31 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def chat_template_tools(tokenizer: Any, chat_template: str | None = None) -> TemplateTools:
+    """The tool-call format of the template a conversation renders with."""
+    t = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return template_tools(t if isinstance(t, str) else None)
+
+
 def render_chat(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     template_kwargs: dict[str, Any],
     add_special_tokens: bool = False,
     chat_template: str | None = None,
+    tools: list[ToolFunction] | None = None,
 ) -> tuple[str, list[int]]:
     """(prompt text, token ids) of a conversation under the model's chat template (or the given
     one). template_kwargs carries add_generation_prompt / continue_final_message and whatever
-    else the template reads."""
+    else the template reads; tools and tool history are rendered in the template's format."""
     if chat_template is None and (
         tokenizer is None or not getattr(tokenizer, "chat_template", None)
     ):
         raise InvalidRequestError("this model has no chat template; use completions", "messages")
+    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        tt = chat_template_tools(tokenizer, chat_template)
+        messages, extra = tool_conversation(messages, tools or [], tt)
+        template_kwargs = {**template_kwargs, **extra}
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, chat_template=chat_template, **template_kwargs

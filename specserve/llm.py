@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from specserve.chat import (
-    TOOLS_UNSUPPORTED,
+    chat_template_tools,
     check_template_kwargs,
     render_chat,
     template_messages,
@@ -20,6 +20,13 @@ from specserve.fanout import sample_params
 from specserve.inputs import EnginePrompt, PromptType, parse_prompts
 from specserve.llm_engine import LLMEngine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
+from specserve.structured.tool_parser import parse_tool_calls
+from specserve.structured.tools import (
+    ToolFunction,
+    parse_tool_choice,
+    parse_tools,
+    tool_call_constraint,
+)
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -210,8 +217,10 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | list[ToolFunction] | None = None,
     ) -> list[int]:
-        """A conversation's prompt token ids under the model's chat template (vLLM's rules)."""
+        """A conversation's prompt token ids under the model's chat template (vLLM's rules);
+        tools and tool history in the template's tool format."""
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError(
                 "continue_final_message and add_generation_prompt cannot both be true",
@@ -220,8 +229,14 @@ class LLM:
         kwargs = check_template_kwargs(chat_template_kwargs)
         kwargs["add_generation_prompt"] = add_generation_prompt
         kwargs["continue_final_message"] = continue_final_message
+        fns = tools if tools and isinstance(tools[0], ToolFunction) else parse_tools(tools)
         _, ids = render_chat(
-            self.tokenizer, template_messages(messages), kwargs, add_special_tokens, chat_template
+            self.tokenizer,
+            template_messages(messages),
+            kwargs,
+            add_special_tokens,
+            chat_template,
+            fns,  # type: ignore[arg-type]
         )
         return ids
 
@@ -240,11 +255,27 @@ class LLM:
         lora_request: Any = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         chat_template_content_format: str = "auto",
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation or a list of them. Text content (a string or text
-        parts) only; tools, LoRA and multimodal arguments are refused by name."""
-        if tools:
-            raise InvalidRequestError(f"tools: {TOOLS_UNSUPPORTED}", "tools")
+        parts) only; LoRA and multimodal arguments are refused by name. tools (OpenAI's
+        definitions) are rendered in the template's tool format; tool_choice 'required' or a
+        named function ({"type": "function", "function": {"name": ...}}) constrains the output
+        to calls whose arguments follow the functions' schemas ('auto', the default with tools,
+        leaves it free). parse_tool_calls() reads the calls out of an output's text."""
+        fns = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, fns)
+        if not isinstance(parallel_tool_calls, bool):
+            raise InvalidRequestError(
+                "parallel_tool_calls must be a boolean", "parallel_tool_calls"
+            )
+        constraint = tool_call_constraint(
+            fns,
+            choice,
+            parallel_tool_calls,
+            chat_template_tools(self.tokenizer, chat_template).format,
+        )
         if lora_request is not None:
             raise InvalidRequestError(
                 "lora_request: LoRA adapters are not supported", "lora_request"
@@ -268,10 +299,30 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 add_special_tokens=add_special_tokens,
+                tools=fns,
             )
             for c in convs
         ]
+        if constraint is not None:
+            plist = self._params_list(sampling_params, len(prompts))
+            if any(sp.structured_outputs is not None for sp in plist):
+                raise InvalidRequestError(
+                    f"tool_choice {choice!r} cannot be combined with structured_outputs",
+                    "tool_choice",
+                )
+            sampling_params = [
+                dataclasses.replace(sp, structured_outputs=constraint) for sp in plist
+            ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def parse_tool_calls(
+        self, text: str, chat_template: str | None = None
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls in OpenAI's shape) of a chat output's text, read in the chat
+        template's tool format; content None when the output holds only calls."""
+        fmt = chat_template_tools(self.tokenizer, chat_template).format
+        content, calls = parse_tool_calls(text, fmt)
+        return content, [c.openai() for c in calls]
 
     def stream(
         self,
