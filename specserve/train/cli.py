@@ -108,7 +108,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         help="CUDA: the engine's share of device memory (weights + KV cache) while answering "
         "prompts; the rest is left to training (default 0.3)",
     )
-    r.add_argument("--resume", action="store_true", help="go on from the checkpoint in --out")
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the checkpoint in --out, if there is one (without it, a checkpoint "
+        "there is an error, never overwritten)",
+    )
     r.add_argument(
         "--stop-after",
         type=int,
@@ -119,7 +124,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--time-limit",
         type=float,
         default=None,
-        help="stop training after this many seconds in this run (checkpointed)",
+        help="end this run after this many seconds (answers and training state cached; "
+        "rerun with --resume to go on)",
     )
     r.add_argument(
         "--engine-eval-k",

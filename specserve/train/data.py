@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -181,9 +182,11 @@ def regenerate(
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
-) -> list[Sample]:
+    deadline: float | None = None,
+) -> list[Sample] | None:
     """Answer every prompt with the target (through `llm`, a specserve LLM); the cached ones
-    are read back, the rest generated in chunks and appended to the cache as they finish."""
+    are read back, the rest generated in chunks and appended to the cache as they finish.
+    None when `deadline` (a time.monotonic() value) passed first: the chunks done are cached."""
     from specserve import SamplingParams
 
     cache.check_spec()
@@ -197,6 +200,9 @@ def regenerate(
         disable=not progress,
     )
     for start in range(0, len(todo), GEN_CHUNK):
+        if deadline is not None and time.monotonic() >= deadline:
+            bar.close()
+            return None
         chunk = todo[start : start + GEN_CHUNK]
         params = [
             SamplingParams(temperature=temperature, max_tokens=max_answer_tokens, seed=seed + i)

@@ -58,7 +58,8 @@ class HeadTrainingJob:
     gpu_memory_utilization: float = 0.3
     resume: bool = False
     stop_after: int | None = None  # optimizer steps in this run, then a checkpoint and exit
-    time_limit: float | None = None  # seconds of training in this run, likewise
+    # seconds for this run (answering prompts and training), then a checkpoint and exit
+    time_limit: float | None = None
     save_dtype: str = "bfloat16"
     engine_eval_k: int = 5  # > 0: also speculate with the saved head through the engine
     progress: bool = True
@@ -98,15 +99,13 @@ def check_job(job: HeadTrainingJob) -> None:
             f"{job.out} already holds a training checkpoint: pass --resume to go on from it, "
             "or choose another --out"
         )
-    if job.resume and not ckpt.is_file():
-        raise TrainHeadError(f"--resume: {ckpt} does not exist")
 
 
 def _log(msg: str) -> None:
     print(f"[train-head] {msg}", file=sys.stderr, flush=True)
 
 
-def build_data(job: HeadTrainingJob, llm: Any) -> list[Sample]:
+def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[Sample] | None:
     source = "sharegpt" if job.prompts_file is None else str(job.prompts_file)
     spec = DataSpec(
         model=llm.model_name,
@@ -137,6 +136,7 @@ def build_data(job: HeadTrainingJob, llm: Any) -> list[Sample]:
         job.gen_temperature,
         job.train.seed,
         job.progress,
+        deadline,
     )
 
 
@@ -274,6 +274,7 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     job.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(job.train.seed)
     t_start = time.perf_counter()
+    deadline = None if job.time_limit is None else time.monotonic() + job.time_limit
     llm = LLM(
         model=job.model,
         dtype=job.dtype,
@@ -285,8 +286,15 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     )
     target = llm.engine.target_model
     t0 = time.perf_counter()
-    samples = build_data(job, llm)
+    samples = build_data(job, llm, deadline)
     t_data = time.perf_counter() - t0
+    if samples is None:
+        done = len(AnswerCache(job.out / "data", None).load())
+        _log(
+            f"--time-limit reached while answering prompts ({done} cached); rerun the same "
+            "command to go on"
+        )
+        return {"data": {"answered": done}, "finished": False}
     split = split_samples(samples, job.heldout_fraction, job.train.seed)
     if not split.train:
         raise TrainHeadError("no training samples (every answer is shorter than 2 tokens)")
@@ -307,13 +315,16 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     )
     head = build_head(target, vocab, job.train.seed)
     trainer = Trainer(target, head, split.train, job.train, job.out, job.progress)
-    if job.resume:
+    if job.resume and trainer.ckpt_path.is_file():
         trainer.load_checkpoint()
         if not torch.equal(head.d2t.cpu(), vocab.d2t):
             raise TrainHeadError("the checkpoint's draft vocabulary differs from this data's")
         _log(f"resumed at step {trainer.state.step}/{trainer.total_steps}")
+    elif job.resume:
+        _log(f"--resume: no checkpoint in {job.out} yet; training from the start")
     t0 = time.perf_counter()
-    trainer.run(job.stop_after, job.time_limit)
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    trainer.run(job.stop_after, left)
     t_train = time.perf_counter() - t0
     report: dict[str, Any] = {
         "command": command,

@@ -26,3 +26,32 @@ def test_prompts_under_the_chat_template(default_tokenizer: Any, tmp_path: Path)
     long = "word " * 400
     got = tokenize_prompts(default_tokenizer, [long, "short one", "another"], 5, 64)
     assert len(got) == 2 and all(4 <= len(g) <= 64 for g in got)
+
+
+class _FakeLLM:
+    """generate() answers prompt p with [len(p), 7]; counts the prompts it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def generate(self, prompts, params, use_tqdm=False):  # noqa: ANN001
+        from types import SimpleNamespace
+
+        self.asked += len(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[len(p), 7])]) for p in prompts]
+
+
+def test_answers_are_cached_and_a_deadline_stops_between_chunks(tmp_path: Path) -> None:
+    import time
+
+    from specserve.train.data import AnswerCache, DataSpec, regenerate
+
+    prompts = [[1] * (i + 4) for i in range(5)]
+    cache = AnswerCache(tmp_path, DataSpec("m", "f", 5, 64, 2, 0.0, 0))
+    llm = _FakeLLM()
+    assert regenerate(llm, prompts, cache, 2, progress=False, deadline=time.monotonic() - 1) is None
+    assert llm.asked == 0 and cache.load() == []
+    got = regenerate(llm, prompts, cache, 2, progress=False)
+    assert [s.answer_ids for s in got] == [[i + 4, 7] for i in range(5)] and llm.asked == 5
+    again = regenerate(llm, prompts, cache, 2, progress=False)  # all read back from the cache
+    assert again == got and llm.asked == 5

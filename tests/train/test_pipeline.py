@@ -181,6 +181,6 @@ def test_user_errors_are_one_line_before_loading(
     assert rc == 2 and "already holds a training checkpoint" in err and "--resume" in err
     rc = main(["train-head", "--out", str(tmp_path / "p"), "--ttt-steps", "0"])
     assert rc == 2 and "--ttt-steps 0" in capsys.readouterr().err
-    rc = main(["train-head", "--out", str(tmp_path / "q"), "--resume"])
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    rc = main(["train-head", "--out", str(tmp_path / "q"), "--num-prompts", "1"])
+    assert rc == 2 and "--num-prompts 1" in capsys.readouterr().err
     shutil.rmtree(out)
