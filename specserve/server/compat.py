@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.chat import TOOLS_UNSUPPORTED
+from specserve.chat import FUNCTIONS_UNSUPPORTED
 from specserve.server.errors import bad_request
 
 Check = Callable[[Any], bool]  # the raw value -> does it ask for an unsupported feature?
@@ -51,19 +51,26 @@ class Refused:
     asks: Check = _truthy
 
 
-_STRUCTURED = "structured outputs are not supported yet"
-_TOOLS = TOOLS_UNSUPPORTED
+def _not_xgrammar(v: Any) -> bool:
+    return v is not None and v not in ("xgrammar", "auto", "")
 
-# both endpoints
+
+# both endpoints (structured outputs: structured_outputs, guided_json / guided_regex /
+# guided_choice / guided_grammar and response_format are honoured, protocol.py)
 COMMON: tuple[Refused, ...] = (
-    Refused("structured_outputs", _STRUCTURED, _set),
-    Refused("guided_json", _STRUCTURED, _set),
-    Refused("guided_regex", _STRUCTURED, _set),
-    Refused("guided_choice", _STRUCTURED, _set),
-    Refused("guided_grammar", _STRUCTURED, _set),
-    Refused("guided_decoding_backend", _STRUCTURED, _set),
-    Refused("guided_whitespace_pattern", _STRUCTURED, _set),
-    Refused("structural_tag", _STRUCTURED, _set),
+    Refused(
+        "guided_decoding_backend",
+        "the only structured-output backend is xgrammar ('xgrammar' or 'auto')",
+        _not_xgrammar,
+    ),  # fmt: skip
+    Refused(
+        "guided_whitespace_pattern", "a whitespace pattern is not supported (xgrammar)", _set
+    ),  # fmt: skip
+    Refused(
+        "structural_tag",
+        "the top-level structural_tag is not supported; use structured_outputs.structural_tag",
+        _set,
+    ),  # fmt: skip
     Refused("use_beam_search", "beam search is not supported"),
     Refused("length_penalty", "length_penalty (beam search) is not supported", _not(1, 1.0)),
     Refused("early_stopping", "early_stopping (beam search) is not supported"),
@@ -99,11 +106,10 @@ COMPLETION: tuple[Refused, ...] = (
     Refused("suffix", "suffix (fill-in-the-middle) is not supported"),
 )
 
+# chat: tools / tool_choice / parallel_tool_calls are honoured (serving.py)
 CHAT: tuple[Refused, ...] = (
-    Refused("tools", _TOOLS),
-    Refused("functions", _TOOLS),
-    Refused("function_call", _TOOLS, _not("none")),
-    Refused("tool_choice", _TOOLS, _not("none")),
+    Refused("functions", FUNCTIONS_UNSUPPORTED),
+    Refused("function_call", FUNCTIONS_UNSUPPORTED, _not("none")),
     # the model's own template only: a template sent by a client runs on the server
     Refused(
         "chat_template",
@@ -126,40 +132,44 @@ def check_refused(data: dict[str, Any], table: tuple[Refused, ...]) -> None:
             raise bad_request(f"{r.field}: {r.what}", r.field, "unsupported_parameter")
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
 def check_response_format(data: dict[str, Any]) -> None:
     rf = data.get("response_format")
     if rf is None:
         return
     kind = rf.get("type", "text") if isinstance(rf, dict) else rf
-    if kind != "text":
+    if kind not in RESPONSE_FORMATS:
         raise bad_request(
-            f"response_format {kind!r}: {_STRUCTURED}; only 'text' is accepted",
+            f"response_format {str(kind)[:40]!r} is not supported; one of "
+            f"{', '.join(RESPONSE_FORMATS)}",
             "response_format",
             "unsupported_parameter",
         )
 
 
 def check_messages(data: dict[str, Any]) -> None:
-    """Tool-calling history: assistant tool_calls / function_call, role 'tool' / 'function'."""
+    """The deprecated function-calling history (role 'function', function_call); tool calls and
+    role 'tool' are honoured."""
     messages = data.get("messages")
     if not isinstance(messages, list):
         return
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             continue
-        if m.get("role") in ("tool", "function"):
+        if m.get("role") == "function":
             raise bad_request(
-                f"messages[{i}]: role {m['role']!r}: {_TOOLS}",
+                f"messages[{i}]: role 'function': {FUNCTIONS_UNSUPPORTED}",
                 f"messages[{i}].role",
                 "unsupported_parameter",
             )
-        for key in ("tool_calls", "function_call"):
-            if _truthy(m.get(key)):
-                raise bad_request(
-                    f"messages[{i}].{key}: {_TOOLS}",
-                    f"messages[{i}].{key}",
-                    "unsupported_parameter",
-                )
+        if _truthy(m.get("function_call")):
+            raise bad_request(
+                f"messages[{i}].function_call: {FUNCTIONS_UNSUPPORTED}",
+                f"messages[{i}].function_call",
+                "unsupported_parameter",
+            )
 
 
 def check_completion_body(data: dict[str, Any]) -> None:

@@ -23,12 +23,21 @@ from specserve.server.responses import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptLogprob,
     PromptLogprobs,
+    ToolCall,
     UsageInfo,
 )
 from specserve.server.stream import TokenDelta
+from specserve.structured.tool_parser import (
+    ParsedToolCall,
+    StreamingToolParser,
+    parse_tool_calls,
+)
 
 # StepUpdate.prompt_logprobs: per prompt position, None or [(id, logprob, rank, text or None)]
 RawPromptLogprobs = list[list[tuple[int, float, int | None, str | None]] | None]
@@ -54,6 +63,9 @@ class ChoiceState:
     echo_pending: bool = False  # streamed: the echo chunk is still to be sent
     drop_tokens: bool = False  # echo with max_tokens 0: the one token that ran is not returned
     prompt_logprobs: PromptLogprobs | None = None
+    # chat with tools, streamed: the parser of this choice's output, the calls sent so far
+    tool_parser: StreamingToolParser | None = None
+    num_tool_calls: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -227,12 +239,39 @@ class CompletionFormat:
         return CompletionResponse(id=self.id, model=self.model, choices=choices, usage=usage)
 
 
+@dataclass(frozen=True)
+class ToolOutput:
+    """A chat request with tools: its output is parsed into tool calls."""
+
+    format: str  # structured.tools.HERMES / LLAMA3_JSON
+    choice: str  # "auto" | "required" | the forced function's name
+    parallel: bool  # parallel_tool_calls: false keeps the first call only
+
+    def finish_reason(self, finish: str | None, num_calls: int) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a forced function ends with "stop"
+        if finish == "stop" and num_calls and self.choice in ("auto", "required"):
+            return "tool_calls"
+        return finish
+
+
+def _tool_calls(calls: list[ParsedToolCall]) -> list[ToolCall]:
+    return [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+    ]
+
+
 class ChatFormat:
     def __init__(
-        self, id: str, model: str, top_logprobs: int | None, prompt_text: str | None = None
+        self,
+        id: str,
+        model: str,
+        top_logprobs: int | None,
+        prompt_text: str | None = None,
+        tools: ToolOutput | None = None,
     ) -> None:
         self.id, self.model, self.top_logprobs = id, model, top_logprobs
         self.prompt_text = prompt_text  # return_prompt_text
+        self.tools = tools
         self.return_token_ids = False
         self.tokens_as_ids = False
 
@@ -279,9 +318,14 @@ class ChatFormat:
         self, index: int, tokens: list[TokenDelta], state: ChoiceState, finish: str | None
     ) -> ChatCompletionChunk:
         real = _real(tokens)
+        text = "".join(t.text for t in tokens)
+        delta = DeltaMessage(content=text)
+        if self.tools is not None:
+            delta = self._tool_delta(state, text, finish)
+            finish = self.tools.finish_reason(finish, state.num_tool_calls)
         choice = ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content="".join(t.text for t in tokens)),
+            delta=delta,
             logprobs=self._logprobs(real),
             finish_reason=finish or None,
             stop_reason=state.stop_reason if finish else None,
@@ -289,21 +333,57 @@ class ChatFormat:
         )
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice])
 
+    def _tool_delta(self, state: ChoiceState, text: str, finish: str | None) -> DeltaMessage:
+        """The content and the tool calls completed by this chunk's text."""
+        assert self.tools is not None
+        if state.tool_parser is None:
+            state.tool_parser = StreamingToolParser(self.tools.format)
+        content, calls = state.tool_parser.feed(text)
+        if finish is not None:
+            more, last = state.tool_parser.finish()
+            content, calls = content + more, calls + last
+        if not self.tools.parallel:
+            calls = calls[: max(0, 1 - state.num_tool_calls)]
+        deltas = [
+            DeltaToolCall(
+                index=state.num_tool_calls + k,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            for k, c in enumerate(calls)
+        ]
+        state.num_tool_calls += len(calls)
+        if deltas:
+            return DeltaMessage(content=content or None, tool_calls=deltas)
+        return DeltaMessage(content=content)
+
+    def _message(self, s: ChoiceState) -> tuple[ChatResponseMessage, str | None]:
+        if self.tools is None:
+            return ChatResponseMessage(content=s.text), s.finish_reason
+        content, calls = parse_tool_calls(s.text, self.tools.format)
+        if not self.tools.parallel:
+            calls = calls[:1]
+        finish = self.tools.finish_reason(s.finish_reason, len(calls))
+        return ChatResponseMessage(content=content, tool_calls=_tool_calls(calls) or None), finish
+
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage)
 
     def full_response(self, states: list[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(content=s.text),
-                logprobs=self._logprobs(s.tokens),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                token_ids=list(s.token_ids) if self.return_token_ids else None,
+        choices = []
+        for i, s in enumerate(states):
+            message, finish = self._message(s)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._logprobs(s.tokens),
+                    finish_reason=finish,
+                    stop_reason=s.stop_reason,
+                    token_ids=list(s.token_ids) if self.return_token_ids else None,
+                )
             )
-            for i, s in enumerate(states)
-        ]
         first = states[0]
         return ChatCompletionResponse(
             id=self.id,

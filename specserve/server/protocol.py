@@ -14,8 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from specserve.chat import RESERVED_TEMPLATE_KWARGS
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.server.errors import bad_request
+from specserve.structured.params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -70,6 +71,42 @@ class _SamplingRequest(_Base):
     best_of: int | None = None
     request_id: str | None = None  # vLLM: the response id (engine ids stay unique regardless)
     user: str | None = None
+    # structured outputs: vLLM's structured_outputs and older guided_* fields, OpenAI's
+    # response_format (compat.py refuses the types and options not honoured)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str]:
+        """(the request's output constraint, the field it came from); a 400 naming the field
+        when it is malformed or when two fields constrain the output."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            found.append(("response_format", _response_format_spec(rf)))
+        if not found:
+            return None, ""
+        if len(found) > 1:
+            raise bad_request(
+                f"{found[1][0]} cannot be combined with {found[0][0]}: one output constraint "
+                "per request",
+                found[1][0],
+            )
+        name, spec = found[0]
+        try:
+            return StructuredOutputsParams.from_dict(spec), name
+        except (InvalidRequestError, TypeError) as e:
+            raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
 
     def check_common(self) -> None:
         """Checks pydantic's types cannot express; raise a 400 naming the field."""
@@ -150,7 +187,11 @@ class _SamplingRequest(_Base):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's parameters; SamplingParams.validate() raises InvalidRequestError."""
         return SamplingParams(
@@ -176,6 +217,7 @@ class _SamplingRequest(_Base):
             bad_words=self.bad_words or None,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=structured,
         )
 
 
@@ -217,9 +259,11 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Base):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -236,6 +280,9 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None  # vLLM: handed to the template (RAG)
     reasoning_effort: str | None = None  # vLLM: handed to the template
     return_prompt_text: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -286,9 +333,13 @@ class ChatCompletionRequest(_SamplingRequest):
                 content = "".join(p.text or "" for p in m.content)
             else:
                 content = m.content or ""
-            msg = {"role": m.role, "content": content}
+            msg: dict[str, Any] = {"role": m.role, "content": content}
             if m.name:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 
@@ -312,6 +363,23 @@ class ChatCompletionRequest(_SamplingRequest):
         role = "assistant" if self.add_generation_prompt else self.messages[-1].role
         last = self.template_messages()[-1]
         return last["content"] if last["role"] == role else ""
+
+
+def _response_format_spec(rf: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format (and vLLM's structural_tag one) as structured_outputs fields."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad_request(
+                "response_format.json_schema must be an object with a 'schema' object",
+                "response_format",
+            )
+        # OpenAI: no schema means any JSON object; strict is what xgrammar always does
+        return {"json": js.get("schema") or {"type": "object"}}
+    return {"structural_tag": rf}
 
 
 # ----------------------------------------------------------------------- /tokenize, /detokenize

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specserve.chat import chat_template_tools
 from specserve.fanout import derive_seed
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.server.async_engine import AsyncEngine
@@ -30,6 +31,7 @@ from specserve.server.formats import (
     ChoiceState,
     CompletionFormat,
     ResponseFormat,
+    ToolOutput,
     prompt_logprobs_body,
     prompt_token_deltas,
 )
@@ -41,6 +43,13 @@ from specserve.server.protocol import (
 from specserve.server.responses import UsageInfo
 from specserve.server.stream import RequestStream, StepUpdate, TokenDelta
 from specserve.server.tokenizing import TokenizerLanes
+from specserve.structured.params import StructuredOutputsParams
+from specserve.structured.tools import (
+    ToolFunction,
+    parse_tool_choice,
+    parse_tools,
+    tool_call_constraint,
+)
 
 log = logging.getLogger("specserve.server")
 
@@ -186,7 +195,36 @@ class OpenAIServing:
                 pr.echo_text = pr.text if pr.text is not None else await self.lanes.decode(pr.ids)
         return out
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    async def structured(
+        self, spec: StructuredOutputsParams | None, field: str
+    ) -> StructuredOutputsParams | None:
+        """Compile the request's output constraint in the grammar backend's thread, before the
+        request is queued (the engine then finds it cached); a 400 naming the field when it
+        does not compile."""
+        if spec is None:
+            return None
+        try:
+            await asyncio.wrap_future(self.client.engine.grammars.submit(spec))
+        except InvalidRequestError as e:
+            raise bad_request(str(e).replace("structured_outputs", field, 1), field) from None
+        return spec
+
+    def chat_tools(
+        self, req: ChatCompletionRequest
+    ) -> tuple[list[ToolFunction], str, StructuredOutputsParams | None]:
+        """(tools, tool choice, the constraint a required / named choice imposes)."""
+        try:
+            fns = parse_tools(req.tools)
+            choice = parse_tool_choice(req.tool_choice, fns)
+        except InvalidRequestError as e:
+            raise invalid(e) from None
+        fmt = chat_template_tools(self.client.tokenizer).format
+        parallel = req.parallel_tool_calls is not False
+        return fns, choice, tool_call_constraint(fns, choice, parallel, fmt)
+
+    async def chat_prompt(
+        self, req: ChatCompletionRequest, tools: list[ToolFunction] | None = None
+    ) -> tuple[str, list[int]]:
         if self.client.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         messages = req.template_messages()
@@ -200,7 +238,7 @@ class OpenAIServing:
                 ) from None
         try:
             return await self.lanes.render_chat(
-                messages, req.template_kwargs(), req.add_special_tokens
+                messages, req.template_kwargs(), req.add_special_tokens, tools
             )
         except InvalidRequestError as e:
             raise invalid(e) from None
@@ -215,12 +253,13 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None,
         rename: dict[str, str],
+        structured: StructuredOutputsParams | None = None,
     ) -> list[SamplingParams]:
         params: list[SamplingParams] = []
         for p in prompts:
             max_tokens = self.max_tokens_for(len(p.ids), requested, field, what)
             try:
-                base = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+                base = req.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
                 base.validate_for_model(self.client.vocab_size, self.client.max_model_len)
             except InvalidRequestError as e:
                 raise invalid(e, rename) from None
@@ -233,12 +272,14 @@ class OpenAIServing:
         arrival = time.perf_counter()
         req.check()
         model = self.check_model(req.model)
+        spec, spec_field = req.structured_spec()
         prompts = await self.completion_prompts(req)
         # echo with max_tokens 0 scores the prompt: one token runs and is dropped (as vLLM)
         requested = 1 if req.echo_only else req.max_tokens
+        structured = await self.structured(spec, spec_field)
         params = self.build_params(
             req, prompts, requested, "max_tokens", "prompt", req.logprobs,
-            req.engine_prompt_logprobs, {},
+            req.engine_prompt_logprobs, {"structured_outputs": spec_field}, structured,
         )  # fmt: skip
         fmt = CompletionFormat(_response_id("cmpl", req.request_id), model, req.logprobs)
         return await self._run(req, fmt, prompts, params, arrival, raw)
@@ -248,16 +289,33 @@ class OpenAIServing:
         req.check()
         model = self.check_model(req.model)
         self.check_fanout(1, req.n)
-        text, ids = await self.chat_prompt(req)
+        spec, spec_field = req.structured_spec()
+        fns, choice, constraint = self.chat_tools(req)
+        if constraint is not None:
+            if spec is not None:
+                raise bad_request(
+                    f"tool_choice {choice!r} cannot be combined with {spec_field}", "tool_choice"
+                )
+            spec, spec_field = constraint, "tool_choice"
+        text, ids = await self.chat_prompt(req, fns)
         prompt = Prompt(self.truncate(ids, req.truncate_prompt_tokens), text, req.echo_text())
         requested, field = req.requested_max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        rename = {"max_tokens": field, "logprobs": "top_logprobs"}
+        rename = {"max_tokens": field, "logprobs": "top_logprobs", "structured_outputs": spec_field}
+        structured = await self.structured(spec, spec_field)
         params = self.build_params(
-            req, [prompt], requested, field, "messages", top, req.prompt_logprobs, rename
-        )
+            req, [prompt], requested, field, "messages", top, req.prompt_logprobs, rename,
+            structured,
+        )  # fmt: skip
         prompt_text = text if req.return_prompt_text else None
-        fmt = ChatFormat(_response_id("chatcmpl", req.request_id), model, top, prompt_text)
+        tools = None
+        if fns and choice != "none":
+            tools = ToolOutput(
+                chat_template_tools(self.client.tokenizer).format,
+                choice,
+                req.parallel_tool_calls is not False,
+            )
+        fmt = ChatFormat(_response_id("chatcmpl", req.request_id), model, top, prompt_text, tools)
         return await self._run(req, fmt, [prompt], params, arrival, raw)
 
     # -- shared driver ------------------------------------------------------------------------

@@ -67,12 +67,17 @@ class TokenizerLanes:
         messages: list[dict[str, Any]],
         template_kwargs: dict[str, Any],
         add_special_tokens: bool,
+        tools: list[Any] | None = None,
     ) -> tuple[str, list[int]]:
         chars = sum(len(str(m.get("content") or "")) for m in messages)
         chars += len(repr(template_kwargs)) if len(template_kwargs) > 2 else 0
+        chars += len(repr(tools)) if tools else 0
         self.check_size(chars, "messages")
         return await self.run(
-            chars, lambda tok: render_chat(tok, messages, template_kwargs, add_special_tokens)
+            chars,
+            lambda tok: render_chat(
+                tok, messages, template_kwargs, add_special_tokens, None, tools
+            ),
         )
 
     async def decode(self, ids: list[int]) -> str:

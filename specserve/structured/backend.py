@@ -12,6 +12,7 @@ without touching it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from specserve.structured.matcher import MaskStats, RequestGrammar
 from specserve.structured.params import FIELD, StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is ~10-100 KB)
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 MAX_ROLLBACK = 64  # drafts one verify step may advance a matcher through, then roll back
 
 
@@ -51,7 +53,7 @@ class GrammarBackend:
         self._info: Any = None
         self._compiler: Any = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()  # the cache, and one compile at a time
+        self._lock = threading.Lock()  # the cache
         self._init_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses (tests: the cache is used)
@@ -90,12 +92,15 @@ class GrammarBackend:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            compiled = self._compile(spec)
+        # compiled outside the lock: a cache hit in the engine thread never waits behind a big
+        # schema compiling in the backend's thread (xgrammar's compiler is thread-safe)
+        compiled = self._compile(spec)
+        with self._lock:
             self.num_compiled += 1
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         c = self._compiler
@@ -118,6 +123,7 @@ class GrammarBackend:
             return c.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOG_PREFIX.sub("", first)  # "[hh:mm:ss] /path/file.cc:123: " of xgrammar
             raise _invalid(f"{FIELD}.{kind}: cannot be compiled: {first[:300]}") from None
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
