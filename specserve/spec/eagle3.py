@@ -14,6 +14,10 @@ position feeding the draft just made and the previous step's pre-norm output as 
 The chained positions hold speculative inputs, so `computed` ends at N - 1 whatever is accepted:
 the next round rewrites them from the target's own g. A preemption frees the blocks (store and
 KV with them): computed restarts at 0 and the re-prefill rewrites the store.
+
+Confidences: c_j = sigmoid(z_j / T_j) from the confidence head, T_j the per-position temperatures
+head training fit (`confidence_temperatures` in config.json; 1 without); a head without a
+confidence head gives the drafted token's q instead.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
+from specserve.model.errors import ModelLoadError
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
@@ -41,6 +46,16 @@ class Eagle3Drafter:
             spec.model, tc, engine.device, engine.dtype, target.embed_tokens
         )
         hc = self.head.config
+        # per-position temperatures of the confidence logits (head training's calibration):
+        # c_j = sigmoid(z_j / T_j), the last temperature for positions past the list
+        temps = hc.raw.get("confidence_temperatures") or [1.0]
+        if not isinstance(temps, list) or not all(
+            isinstance(t, (int, float)) and t > 0 for t in temps
+        ):
+            raise ModelLoadError(
+                f"EAGLE-3 head config confidence_temperatures={temps!r}: need a list of numbers > 0"
+            )
+        self.temperatures = [float(t) for t in temps]
         bs, nblocks = engine.config.block_size, engine.num_kv_blocks
         # the head's one-layer KV cache and the row layout (prepare_rows) of its forwards
         self.runner = ModelRunner(
@@ -159,8 +174,9 @@ class Eagle3Drafter:
             )
             q = target_probs(self.head.target_logits(logits), t)  # [n, V], 0 off the draft vocab
             tok = sample(q, t, DRAFT_SALT)  # [n]
+            temp = self.temperatures[min(j, len(self.temperatures) - 1)]
             conf = (
-                torch.sigmoid(conf_logit)
+                torch.sigmoid(conf_logit / temp)
                 if conf_logit is not None
                 else q.gather(1, tok.unsqueeze(1)).squeeze(1)
             )

@@ -101,8 +101,20 @@ def heads(tmp_path_factory, target, ref) -> dict[str, Path]:
     ids = sorted({t for t, _ in counts.most_common(8)} | set(range(100, 140)))
     return {
         "copy": _copy_head(root / "copy", target, ref),
-        "random": write_tiny_head(root / "random", target[1], ids, LAYERS, confidence=True),
+        "random": _with_temperatures(
+            write_tiny_head(root / "random", target[1], ids, LAYERS, confidence=True)
+        ),
     }
+
+
+TEMPS = [0.5, 2.0]  # per draft position; the last one for the positions after
+
+
+def _with_temperatures(path: Path) -> Path:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["confidence_temperatures"] = TEMPS
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 def _spec(path: Path, k: int = 3, **kw) -> dict:
@@ -176,8 +188,8 @@ def _reference_drafts(llm, loaded, tokens: list[int], k: int) -> tuple[list[int]
             d = int(head.draft_to_target()[out.logits[0, -1].argmax()])
             drafts.append(d)
             # no confidence head: the drafted token's q, 1 for a greedy (one-hot) draft
-            c = out.confidence
-            confs.append(1.0 if c is None else float(torch.sigmoid(c[0, -1])))
+            c, temp = out.confidence, TEMPS[min(len(drafts) - 1, len(TEMPS) - 1)]
+            confs.append(1.0 if c is None else float(torch.sigmoid(c[0, -1] / temp)))
             ids.append(d)
             hidden = torch.cat([hidden, out.prenorm[0, -1:]])
     return drafts, confs
