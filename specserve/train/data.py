@@ -190,7 +190,13 @@ def regenerate(
     from specserve import SamplingParams
 
     cache.check_spec()
-    done = {s.index: s for s in cache.load()}
+    done = {s.index: s for s in cache.load() if s.index < len(prompts)}
+    stale = [i for i, s in done.items() if s.prompt_ids != list(prompts[i])]
+    if stale:
+        raise TrainHeadError(
+            f"{cache.samples_path}: the cached answer {stale[0]} is to another prompt than "
+            "this run's (the tokenizer or prompt source changed?); use another --out"
+        )
     todo = [i for i in range(len(prompts)) if i not in done]
     bar = tqdm(
         total=len(prompts),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from specserve.train.data import chat_prompt_ids, file_prompts, sharegpt_prompts, tokenize_prompts
 
 
@@ -55,3 +57,5 @@ def test_answers_are_cached_and_a_deadline_stops_between_chunks(tmp_path: Path) 
     assert [s.answer_ids for s in got] == [[i + 4, 7] for i in range(5)] and llm.asked == 5
     again = regenerate(llm, prompts, cache, 2, progress=False)  # all read back from the cache
     assert again == got and llm.asked == 5
+    with pytest.raises(ValueError, match="cached answer 0 is to another prompt"):
+        regenerate(llm, [[9] * 4] + prompts[1:], cache, 2, progress=False)
