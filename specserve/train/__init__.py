@@ -8,5 +8,7 @@ ttt.py        the training-time-test unroll and its losses
 trainer.py    the loop: batches, optimizer, resumable checkpoints, progress bars
 calibrate.py  per-position temperature scaling of the confidences, calibration error
 evaluate.py   held-out chain drafting: acceptance per position, tokens per step for k = 1..7
-cli.py        the `train-head` subcommand
+pipeline.py   the whole job: data, vocabulary, training, evaluation, the head folder, report
+cli.py        the `train-head` subcommand (its parser imports nothing heavy)
+errors.py     TrainHeadError: a user error, shown as one line
 """
