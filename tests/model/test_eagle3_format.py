@@ -303,3 +303,17 @@ def test_a_head_for_the_llama_8b_shape_loads_on_meta(tmp_path):
     _sparse_safetensors(d / "model.safetensors", shapes)
     with pytest.raises(ModelLoadError, match="midlayer.mlp.up_proj.weight"):
         load_eagle3_head(d, target, "meta", torch.bfloat16, emb)
+
+
+def test_a_head_named_by_hub_id_loads_from_the_local_hf_cache(tiny_head, tmp_path, monkeypatch):
+    import shutil
+
+    repo = tmp_path / "hub" / "models--someorg--EAGLE3-tiny"
+    shutil.copytree(tiny_head, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    head = load_eagle3_head("someorg/EAGLE3-tiny", TINY, "cpu", torch.float32, _embedding(TINY))
+    assert head.draft_to_target().tolist() == DRAFT_IDS
+    with pytest.raises(ModelLoadError, match="speculative_config.model: model 'someorg/nope'"):
+        load_eagle3_head("someorg/nope", TINY, "cpu", torch.float32, _embedding(TINY))

@@ -1,4 +1,5 @@
-"""EAGLE-3 head folders, in the format vLLM and SGLang load (and SpecForge writes).
+"""EAGLE-3 head folders, in the format vLLM and SGLang load (and SpecForge writes); a hub id is
+read from the local Hugging Face cache (never downloaded).
 
     config.json                    architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, ...
     model.safetensors              the head's tensors (names in model/eagle3.py); or
@@ -23,6 +24,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.eagle3 import Eagle3Config, Eagle3Head
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader.hf_dir import read_json, safetensors_files
+from specserve.model.loader.hub_cache import looks_like_hub_id, resolve_hub_id
 
 CONFIDENCE_FILE = "confidence_head.safetensors"
 _CONFIDENCE = ("confidence_head.weight", "confidence_head.bias")
@@ -91,6 +93,11 @@ def load_eagle3_head(
     checkpoint's `embed_tokens.weight` if it has one, else `target_embedding` (shared). With
     device "meta" only names and shapes are checked (no tensor data is read)."""
     path = Path(path).expanduser()
+    if not path.exists() and looks_like_hub_id(str(path)):
+        try:  # a hub id (e.g. an `org/EAGLE3-...` head) in the local Hugging Face cache
+            path = resolve_hub_id(str(path))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative_config.model: {e}") from None
     if not path.is_dir():
         raise ModelLoadError(
             f"speculative_config.model: EAGLE-3 head folder {str(path)!r} does not exist"
