@@ -265,6 +265,7 @@ class Trainer:
                 st.batch += 1
                 rec.update(step=st.step, epoch=st.epoch)
                 log.write(json.dumps(rec) + "\n")
+                log.flush()  # readable while the run goes on
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}")
                 epoch_end = st.batch >= len(batches)
