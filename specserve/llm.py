@@ -411,4 +411,9 @@ class LLM:
                 1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 1.0
             ),
             **self._budget_metrics(),
+            # structured outputs: host time filling grammar bitmasks (steps with a grammar row)
+            "structured_mask_steps": self.engine.grammars.stats.steps,
+            "structured_mask_rows": self.engine.grammars.stats.rows,
+            "structured_mask_seconds": self.engine.grammars.stats.seconds,
+            "structured_grammars_compiled": self.engine.grammars.num_compiled,
         }

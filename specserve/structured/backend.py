@@ -24,13 +24,36 @@ from specserve.structured.params import FIELD, StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept (a JSON schema's is ~10-100 KB)
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-MAX_ROLLBACK = 64  # drafts one verify step may advance a matcher through, then roll back
 
 
 def _invalid(message: str) -> Exception:
     from specserve.sampling_params import InvalidRequestError
 
     return InvalidRequestError(message, FIELD)
+
+
+# xgrammar 0.2.9 lets a length-bounded JSON string hold raw control characters (invalid JSON);
+# its pattern path does not, so bounded strings become the same bounds as a pattern
+_PLAIN_CHARS = '[^"\\\\\\x00-\\x1f]'  # no quote, backslash or control character
+
+
+def bounded_strings(node: Any) -> Any:
+    """A copy of a JSON schema (or structural tag) whose strings bounded by minLength /
+    maxLength alone carry the bounds as a pattern over plain characters (no escapes)."""
+    if isinstance(node, list):
+        return [bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: bounded_strings(v) for k, v in node.items()}
+    lengths = "minLength" in out or "maxLength" in out
+    other = any(k in out for k in ("pattern", "format", "enum", "const"))
+    if out.get("type") == "string" and lengths and not other:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(lo, int) and (hi == "" or isinstance(hi, int)):
+            out["pattern"] = f"^{_PLAIN_CHARS}{{{lo},{hi}}}$"
+        else:  # malformed bounds: left for xgrammar to refuse
+            out["minLength"], out["maxLength"] = lo, hi
+    return out
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -108,7 +131,8 @@ class GrammarBackend:
         any_ws = not spec.disable_any_whitespace
         try:
             if kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+                schema = json.dumps(bounded_strings(schema))
                 return c.compile_json_schema(schema, any_whitespace=any_ws)
             if kind == "json_object":
                 # OpenAI: a JSON object (the builtin JSON grammar also allows arrays)
@@ -120,7 +144,8 @@ class GrammarBackend:
             if kind == "grammar":
                 return c.compile_grammar(spec.grammar)
             tag = spec.structural_tag
-            return c.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+            tag = json.loads(tag) if isinstance(tag, str) else tag
+            return c.compile_structural_tag(json.dumps(bounded_strings(tag)))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _LOG_PREFIX.sub("", first)  # "[hh:mm:ss] /path/file.cc:123: " of xgrammar
@@ -138,7 +163,7 @@ class GrammarBackend:
         import xgrammar as xgr
 
         compiled = self.compile(spec)
-        m = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
+        m = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar >= 0.2
         return RequestGrammar(m, self.bitmask_width, self.stop_ids, self.stats)
 
     def shutdown(self) -> None:
