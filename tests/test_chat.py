@@ -55,15 +55,28 @@ def test_template_kwargs_and_a_template_of_ones_own(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("messages", "kwargs", "param"),
     [
-        (CONV, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CONV, {"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        (
+            CONV,
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "sometimes",
+            },
+            "tool_choice",
+        ),  # fmt: skip
         (CONV, {"lora_request": object()}, "lora_request"),
         (CONV, {"mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
         (CONV, {"chat_template_content_format": "openai"}, "chat_template_content_format"),
-        ([*CONV, {"role": "tool", "content": "42"}], {}, "messages[1].role"),
+        ([*CONV, {"role": "function", "content": "42"}], {}, "messages[1].role"),
+        (
+            [*CONV, {"role": "assistant", "content": "", "function_call": {"name": "f"}}],
+            {},
+            "messages[1].function_call",
+        ),
         (
             [*CONV, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
             {},
-            "messages[1].tool_calls",
+            "messages[1].tool_calls[0]",
         ),
         ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "messages[0].content"),
         ([{"content": "no role"}], {}, "messages"),

@@ -55,7 +55,8 @@ CASES = [
     ("chat: top_logprobs without logprobs", "chat", {"top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
     ("chat: image part", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages[0].content", ["image_url"]),
     ("chat: max_completion_tokens over context", "chat", {"max_completion_tokens": CTX * 2}, 400, "max_completion_tokens", [str(CTX)]),
-    ("chat: tools unsupported", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", ["tools"]),
+    ("chat: deprecated functions", "chat", {"functions": [{"name": "f"}]}, 400, "functions", ["functions"]),
+    ("chat: tool of another type", "chat", {"tools": [{"type": "retrieval"}]}, 400, "tools[0]", ["function"]),
 ]  # fmt: skip
 
 

@@ -38,9 +38,9 @@ def chat(srv: Served, **kw) -> dict:
 ASKING = {
     "length_penalty": 0.5, "priority": 3, "thinking_token_budget": 10, "stream_interval": 4,
     "routed_experts_prompt_start": 2, "spaces_between_special_tokens": False,
-    "truncation_side": "right", "function_call": "auto", "tool_choice": "auto",
+    "truncation_side": "right", "function_call": "auto", "guided_decoding_backend": "outlines",
     "modalities": ["text", "audio"], "verbosity": "low", "suffix": "tail",
-    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "functions": [{"name": "f"}],
 }  # fmt: skip
 REFUSED = [(r.field, "c") for r in COMMON + COMPLETION] + [(r.field, "chat") for r in CHAT]
 
@@ -69,20 +69,14 @@ def test_off_values_and_unknown_fields_are_accepted(tiny: Served):
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"role": "tool", "content": "42", "tool_call_id": "a"}, "messages[1].role"),
         ({"role": "function", "content": "42", "name": "f"}, "messages[1].role"),
-        (
-            {"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]},
-            "messages[1].tool_calls",
-        ),  # fmt: skip
+        ({"role": "assistant", "function_call": {"name": "f"}}, "messages[1].function_call"),
     ],
 )
-def test_tool_history_is_refused(tiny: Served, change: dict, param: str):
+def test_deprecated_function_history_is_refused(tiny: Served, change: dict, param: str):
     body = {"model": tiny.model, "messages": [*CHAT_MSGS, change], "max_tokens": 1}
     r = post(tiny, "/v1/chat/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = post(tiny, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
-    assert r.json()["error"]["param"] in ("response_format", param)
 
 
 def test_echo_scores_the_prompt_like_generation(tiny: Served):
