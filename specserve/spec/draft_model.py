@@ -16,6 +16,7 @@ from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner
+from specserve.spec.drafter import reserve_draft_blocks
 
 
 class DraftModelDrafter:
@@ -75,18 +76,7 @@ class DraftModelDrafter:
         self, seqs: list[Sequence], limits: list[int]
     ) -> list[tuple[list[int], list[float]]]:
         eng = self.engine
-        bm = eng.block_manager
-        active: list[int] = []
-        for i, (seq, k) in enumerate(zip(seqs, limits)):
-            if k <= 0:
-                continue
-            # drafting writes draft KV up to position num_tokens + k - 2: the blocks must exist
-            while k > 0 and not bm.can_allocate(seq.block_table, seq.num_tokens + k - 1):
-                k -= 1
-            limits[i] = k
-            if k > 0:
-                bm.allocate(seq.block_table, seq.num_tokens + k - 1)
-                active.append(i)
+        active = reserve_draft_blocks(eng, seqs, limits)
         drafts: list[list[int]] = [[] for _ in seqs]
         confs: list[list[float]] = [[] for _ in seqs]
         if not active:

@@ -34,6 +34,27 @@ class Drafter(Protocol):
         ...
 
 
+def reserve_draft_blocks(
+    engine: LLMEngine, seqs: list[Sequence], limits: list[int], min_tokens: int = 1
+) -> list[int]:
+    """Before a model drafter writes its own KV for k drafts (up to position num_tokens + k - 2,
+    plus one row of slack), make sure the blocks exist: k shrinks to what the pool can give.
+    limits is updated in place; returns the indices that draft at all."""
+    bm = engine.block_manager
+    active: list[int] = []
+    for i, (seq, k) in enumerate(zip(seqs, limits)):
+        if k <= 0 or seq.num_tokens < min_tokens:
+            limits[i] = 0
+            continue
+        while k > 0 and not bm.can_allocate(seq.block_table, seq.num_tokens + k - 1):
+            k -= 1
+        limits[i] = k
+        if k > 0:
+            bm.allocate(seq.block_table, seq.num_tokens + k - 1)
+            active.append(i)
+    return active
+
+
 def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
     if spec.method == "golden":
         from specserve.spec.golden import GoldenDrafter

@@ -33,6 +33,7 @@ from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner, StepInputs
+from specserve.spec.drafter import reserve_draft_blocks
 
 
 class Eagle3Drafter:
@@ -129,19 +130,8 @@ class Eagle3Drafter:
         self, seqs: list[Sequence], limits: list[int]
     ) -> list[tuple[list[int], list[float]]]:
         eng = self.engine
-        bm = eng.block_manager
-        active: list[int] = []
-        for i, (seq, k) in enumerate(zip(seqs, limits)):
-            if k <= 0 or seq.num_tokens < 2:
-                limits[i] = 0
-                continue
-            # the chain writes head KV up to position num_tokens + k - 3: the blocks must exist
-            while k > 0 and not bm.can_allocate(seq.block_table, seq.num_tokens + k - 1):
-                k -= 1
-            limits[i] = k
-            if k > 0:
-                bm.allocate(seq.block_table, seq.num_tokens + k - 1)
-                active.append(i)
+        # the chain writes head KV up to position num_tokens + k - 3
+        active = reserve_draft_blocks(eng, seqs, limits, min_tokens=2)
         drafts: list[list[int]] = [[] for _ in seqs]
         confs: list[list[float]] = [[] for _ in seqs]
         if not active:
