@@ -1,7 +1,7 @@
-"""55 JSON schemas in one engine run per mode (speculation off, n-gram, draft model): every
-output that completes parses and validates with jsonschema, every output cut by max_tokens is a
-prefix the grammar accepts, and the tokens are the same in every mode (greedy, and sampled with
-a seed for n-gram, whose drafts are one-hot)."""
+"""55 JSON schemas in one engine run per mode: every output that completes parses and validates
+with jsonschema, every output cut by max_tokens is a prefix the grammar accepts, and the tokens
+are the same with speculation off, n-gram (all 55) and draft model (the first 24), greedy, and
+sampled with a seed for n-gram (the first 12; its drafts are one-hot), and with CPU overlap."""
 
 from __future__ import annotations
 
@@ -11,36 +11,35 @@ import jsonschema
 import pytest
 
 from specserve import SamplingParams
+from tests.engine.conftest import make_llm
 from tests.structured.schemas import SCHEMAS
 
 MAX_TOKENS = 48  # every schema completes in < 40 tokens on the tiny model
 
 
-def _prompts() -> list[str]:
+SOME = 24  # the draft model runs the first SOME schemas
+SAMPLED = 12  # seeded sampling (its per-row counter RNG is the CPU's slowest op) the first 12
+
+
+def _run(llm, n: int = len(SCHEMAS), **kw):
     # the schema itself in the prompt: n-gram drafts copy its keys, so drafts get verified
-    return [f"Reply with JSON for {json.dumps(s)}:" for s in SCHEMAS]
-
-
-def _params(**kw) -> list[SamplingParams]:
-    return [
+    prompts = [f"Reply with JSON for {json.dumps(s)}:" for s in SCHEMAS[:n]]
+    params = [
         SamplingParams(
             max_tokens=MAX_TOKENS,
             structured_outputs={"json": s, "disable_any_whitespace": True},
             **kw,
         )
-        for s in SCHEMAS
+        for s in SCHEMAS[:n]
     ]
-
-
-def _run(llm, **kw):
-    return [o.outputs[0] for o in llm.generate(_prompts(), _params(**kw), use_tqdm=False)]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _check(llm, outs) -> int:
     """Every completed output validates; every cut one is a prefix the grammar accepts.
     Returns how many completed."""
     done = 0
-    for schema, out in zip(SCHEMAS, outs):
+    for schema, out in zip(SCHEMAS, outs):  # outs: the first len(outs) schemas
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
             done += 1
@@ -67,16 +66,27 @@ def test_outputs_validate(off, greedy_off):
 @pytest.mark.parametrize("mode", ["ngram", "self_draft"])
 def test_greedy_identical_under_speculation(request, greedy_off, mode):
     llm = request.getfixturevalue(mode)
+    n = len(SCHEMAS) if mode == "ngram" else SOME
     before = llm.get_metrics()["spec_draft_tokens"]
-    outs = _run(llm, temperature=0.0)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
-    assert [o.finish_reason for o in outs] == [o.finish_reason for o in greedy_off]
+    outs = _run(llm, n, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off[:n]]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in greedy_off[:n]]
     assert llm.get_metrics()["spec_draft_tokens"] > before  # drafts were verified
 
 
 def test_seeded_sampling_identical_with_ngram(off, ngram):
     kw = dict(temperature=1.0, seed=11)
-    ref = _run(off, **kw)
+    ref = _run(off, SAMPLED, **kw)
     _check(off, ref)
-    outs = _run(ngram, **kw)
+    outs = _run(ngram, SAMPLED, **kw)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_overlap_runs_structured_steps_synchronously(greedy_off):
+    """CPU overlap (the forward in a worker thread, the ledger one step late): a request with
+    a grammar needs its tokens on the host before its next mask, so its steps run synchronous
+    and the outputs are those of the synchronous engine."""
+    llm = make_llm(max_num_seqs=64, overlap=True, debug_invariants=True)
+    outs = _run(llm, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in greedy_off]
