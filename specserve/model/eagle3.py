@@ -224,13 +224,9 @@ class Eagle3Head(nn.Module):
         return Eagle3Output(out.prenorm.view(b, t, -1), out.logits.view(b, t, -1), conf, kv_out[0])
 
 
-from specserve.model.loader.eagle3 import load_eagle3_head, save_eagle3_head  # noqa: E402
-
 __all__ = [
     "EAGLE3_ARCHITECTURE",
     "Eagle3Config",
     "Eagle3Head",
     "Eagle3Output",
-    "load_eagle3_head",
-    "save_eagle3_head",
 ]

@@ -27,8 +27,9 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
 from specserve.model.aux_capture import AuxCapture
-from specserve.model.eagle3 import Eagle3Head, load_eagle3_head
+from specserve.model.eagle3 import Eagle3Head
 from specserve.model.errors import ModelLoadError
+from specserve.model.loader.eagle3 import load_eagle3_head
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs

@@ -204,7 +204,7 @@ def evaluate_head(
 def save_head(head: torch.nn.Module, cal: Calibration | None, path: Path, dtype: str) -> int:
     """The head folder; returns its size in bytes. Per-position confidence temperatures go in
     config.json (`confidence_temperatures`), a key other engines ignore."""
-    from specserve.model.eagle3 import save_eagle3_head
+    from specserve.model.loader.eagle3 import save_eagle3_head
 
     cfg = head.config
     if cal is not None:

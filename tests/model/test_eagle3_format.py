@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from specserve.model.config import ModelConfig
-from specserve.model.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head, save_eagle3_head
+from specserve.model.eagle3 import Eagle3Config, Eagle3Head
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader.dummy import PRESETS
+from specserve.model.loader.eagle3 import load_eagle3_head, save_eagle3_head
 
 
 def head_tensors(

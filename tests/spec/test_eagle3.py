@@ -270,7 +270,7 @@ def test_capture_is_the_residual_stream_entering_each_layer(tiny_llama_dir):
 def test_rejection_sampling_with_the_heads_q_is_lossless(tmp_path):
     """q = the head's distribution over its draft vocabulary, mapped into the target's (0 off it):
     the first emitted token is distributed as the target p (chi-square, as test_lossless)."""
-    from specserve.model.eagle3 import load_eagle3_head
+    from specserve.model.loader.eagle3 import load_eagle3_head
     from specserve.ops.random import hashed_uniform
     from specserve.ops.sampling import DRAFT_SALT
     from tests.model.test_eagle3_format import head_tensors

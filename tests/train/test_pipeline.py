@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from specserve.cli.main import main
-from specserve.model.eagle3 import load_eagle3_head
 from specserve.model.loader import load_model
-from specserve.model.loader.eagle3 import CONFIDENCE_FILE
+from specserve.model.loader.eagle3 import CONFIDENCE_FILE, load_eagle3_head
 from specserve.train.data import AnswerCache, DataSpec, Sample, split_samples
 from specserve.train.evaluate import draft_chains, walk
 from specserve.train.pipeline import HeadTrainingJob, engine_eval, train_head
