@@ -3,7 +3,7 @@
 Its KV cache has its own tensors but shares the target's block tables: position p of a request
 lives in the same block/offset in both caches. So the target's allocation, prefix-cache reuse,
 preemption and rollback apply to the draft KV too, and "rolling back to the accepted prefix" is
-just lowering the request's draft_computed mark: the next catch-up rewrites the rest.
+just lowering the request's mark of valid draft KV (DraftKVMarks): the next catch-up rewrites the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner
-from specserve.spec.drafter import reserve_draft_blocks
+from specserve.spec.drafter import DraftKVMarks, reserve_draft_blocks
 
 
 class DraftModelDrafter:
@@ -51,25 +51,16 @@ class DraftModelDrafter:
             engine.dtype,
             engine.device,
         )
-        # per request: positions [0, computed) of the draft KV are valid, and the preemption count
-        # they were computed under (a preemption frees the blocks they lived in)
-        self._computed: dict[str, tuple[int, int]] = {}
+        self._marks = DraftKVMarks()  # valid positions of the draft model's KV, per request
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """Drafts past the accepted prefix were rejected: their KV positions are stale."""
-        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
-        # the last token (the sampled one) sits at num_tokens - 1 and was never fed to the draft
-        self._computed[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+        self._marks.observe(seq)
 
     def release(self, seq: Sequence) -> None:
-        self._computed.pop(seq.request_id, None)
+        self._marks.release(seq)
 
     def confidence_samples(self) -> float | None:
         return None  # confidences are the draft model's probabilities
-
-    def _valid(self, seq: Sequence) -> int:
-        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
-        return done if pre == seq.num_preemptions else 0
 
     @torch.inference_mode()
     def propose(
@@ -87,7 +78,7 @@ class DraftModelDrafter:
         starts = {}
         for i in active:
             seq = seqs[i]
-            starts[i] = min(self._valid(seq), seq.num_tokens - 1)
+            starts[i] = min(self._marks.valid(seq), seq.num_tokens - 1)
             rows[i] = seq.token_ids[starts[i] :]
         pool = eng.slot_pool
         for j in range(max(limits[i] for i in active)):
@@ -117,8 +108,5 @@ class DraftModelDrafter:
         for i in active:
             seq = seqs[i]
             # fed: the catch-up through num_tokens - 1, then drafts 1..k-1
-            self._computed[seq.request_id] = (
-                seq.num_tokens + len(drafts[i]) - 1,
-                seq.num_preemptions,
-            )
+            self._marks.set(seq, seq.num_tokens + len(drafts[i]) - 1)
         return list(zip(drafts, confs))

@@ -34,6 +34,30 @@ class Drafter(Protocol):
         ...
 
 
+class DraftKVMarks:
+    """Per request, how many positions of a model drafter's own KV are valid, and the preemption
+    count they were computed under (a preemption frees the blocks they lived in)."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, tuple[int, int]] = {}
+
+    def valid(self, seq: Sequence) -> int:
+        done, pre = self._marks.get(seq.request_id, (0, seq.num_preemptions))
+        return done if pre == seq.num_preemptions else 0
+
+    def set(self, seq: Sequence, done: int) -> None:
+        self._marks[seq.request_id] = (done, seq.num_preemptions)
+
+    def observe(self, seq: Sequence) -> None:
+        """Drafts past the accepted prefix were rejected: their positions are stale. The last
+        token (the sampled one) sits at num_tokens - 1 and was never fed to the drafter."""
+        done, pre = self._marks.get(seq.request_id, (0, seq.num_preemptions))
+        self._marks[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+
+    def release(self, seq: Sequence) -> None:
+        self._marks.pop(seq.request_id, None)
+
+
 def reserve_draft_blocks(
     engine: LLMEngine, seqs: list[Sequence], limits: list[int], min_tokens: int = 1
 ) -> list[int]:

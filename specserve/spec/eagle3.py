@@ -34,7 +34,7 @@ from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner, StepInputs
-from specserve.spec.drafter import reserve_draft_blocks
+from specserve.spec.drafter import DraftKVMarks, reserve_draft_blocks
 
 
 class Eagle3Drafter:
@@ -84,8 +84,7 @@ class Eagle3Drafter:
             engine.device,
             sink=self._store_fused,
         )
-        # per request: head KV positions [0, computed) are valid, under this preemption count
-        self._computed: dict[str, tuple[int, int]] = {}
+        self._marks = DraftKVMarks()  # valid positions of the head's KV, per request
 
     @torch.inference_mode()
     def _store_fused(self, rows: torch.Tensor, ctx: ForwardContext) -> None:
@@ -95,18 +94,13 @@ class Eagle3Drafter:
         self.store.index_copy_(0, slots, self.head.fc(rows).to(self.store.dtype))
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
-        self._computed[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+        self._marks.observe(seq)
 
     def release(self, seq: Sequence) -> None:
-        self._computed.pop(seq.request_id, None)
+        self._marks.release(seq)
 
     def confidence_samples(self) -> float | None:
         return None  # confidences come from the head
-
-    def _valid(self, seq: Sequence) -> int:
-        done, pre = self._computed.get(seq.request_id, (0, seq.num_preemptions))
-        return done if pre == seq.num_preemptions else 0
 
     def _run(
         self, inputs: StepInputs, hidden: torch.Tensor
@@ -141,7 +135,7 @@ class Eagle3Drafter:
         rows, starts = {}, {}
         for i in active:
             seq = seqs[i]
-            starts[i] = min(self._valid(seq), seq.num_tokens - 2)
+            starts[i] = min(self._marks.valid(seq), seq.num_tokens - 2)
             rows[i] = seq.token_ids[starts[i] + 1 :]
         hidden: torch.Tensor | None = None
         pool = eng.slot_pool
@@ -182,5 +176,5 @@ class Eagle3Drafter:
                 starts[i] = seqs[i].num_tokens - 1 + j
         for i in active:
             seq = seqs[i]
-            self._computed[seq.request_id] = (seq.num_tokens - 1, seq.num_preemptions)
+            self._marks.set(seq, seq.num_tokens - 1)
         return list(zip(drafts, confs))

@@ -107,6 +107,22 @@ def build_head(target: torch.nn.Module, vocab: DraftVocab, seed: int) -> Eagle3H
     return head
 
 
+def _cut(run: list[Sample], batch_size: int, max_tokens: int) -> list[list[Sample]]:
+    """Consecutive samples into batches, each cut before it would pass batch_size samples or
+    max_tokens padded tokens (samples x the longest)."""
+    batches: list[list[Sample]] = []
+    cur: list[Sample] = []
+    for s in run:
+        longest = max([s.num_tokens] + [c.num_tokens for c in cur])
+        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * longest > max_tokens):
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def make_batches(
     samples: Sequence[Sample], batch_size: int, max_tokens: int, seed: int
 ) -> list[list[Sample]]:
@@ -118,15 +134,7 @@ def make_batches(
     window = max(1, batch_size * SORT_WINDOW)
     for start in range(0, len(order), window):
         run = sorted(order[start : start + window], key=lambda s: s.num_tokens)
-        cur: list[Sample] = []
-        for s in run:
-            longest = max([s.num_tokens] + [c.num_tokens for c in cur])
-            if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * longest > max_tokens):
-                batches.append(cur)
-                cur = []
-            cur.append(s)
-        if cur:
-            batches.append(cur)
+        batches += _cut(run, batch_size, max_tokens)
     # the runs come out short-to-long; shuffle the batches so the loss curve is not sawtoothed
     random.Random(seed + 7).shuffle(batches)
     return batches
@@ -298,16 +306,7 @@ def run_batches(
     progress: bool,
 ) -> list[Any]:
     """`fn` over batches of `samples` in their order (evaluation; no shuffle)."""
-    batches: list[list[Sample]] = []
-    cur: list[Sample] = []
-    for s in samples:
-        longest = max([s.num_tokens] + [c.num_tokens for c in cur])
-        if cur and (len(cur) + 1 > batch_size or (len(cur) + 1) * longest > max_tokens):
-            batches.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        batches.append(cur)
+    batches = _cut(list(samples), batch_size, max_tokens)
     head.eval()
     return [
         fn(prepare_batch(target, head, b))
