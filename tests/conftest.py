@@ -8,6 +8,7 @@ tiny_llama_dir     the tiny Llama one (vocab 49152, SmolLM2 tokenizer inside: lo
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,16 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_engines_after_each_module():
+    """Engines hold reference cycles (drafters, budgets and runners point back at them), so a
+    module's engines, each with its KV cache, wait for the cyclic collector; collect them when
+    the module ends so the suite's memory stays that of one module's engines."""
+    yield
+    gc.collect()
+
 
 TINY_VOCAB = 49152  # SmolLM2's: its tokenizer's ids fit, so text prompts work on tiny models
 _TINY = {

@@ -1,6 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct GGUF) through the whole engine: speculation is
 lossless token for token, self-drafting is accepted, stop strings cut text, tokens and logprobs."""
 
+import gc
+
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -16,11 +18,27 @@ QUESTIONS = [
     "Translate 'good morning' into French, Spanish and German.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=128)
+SMALL_KV = {"kv_cache_memory_gb": 0.5}  # room for ~11k tokens: 16 requests of 11 prompts fit
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu", progress=False, max_num_seqs=16)
+    return LLM(dtype="float32", device="cpu", progress=False, max_num_seqs=16, **SMALL_KV)
+
+
+@pytest.fixture
+def fresh_llm():
+    """LLM(...) made inside a test and freed when it ends (engines hold reference cycles, so
+    only the cyclic collector frees them, and each holds the model and its KV cache)."""
+    made: list[LLM] = []
+
+    def make(**kw) -> LLM:
+        made.append(LLM(dtype="float32", device="cpu", progress=False, **SMALL_KV, **kw))
+        return made[-1]
+
+    yield make
+    made.clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +61,8 @@ def reference(llm, prompts):
     ],
     ids=["ngram", "self-draft"],
 )
-def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg):
-    spec = LLM(
-        dtype="float32", device="cpu", progress=False, max_num_seqs=16, speculative_config=cfg
-    )
+def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg, fresh_llm):
+    spec = fresh_llm(max_num_seqs=16, speculative_config=cfg)
     outs = spec.generate(prompts, GREEDY, use_tqdm=False)
     for ref, out in zip(reference, outs):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -59,7 +75,9 @@ def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg):
         assert rate >= 0.95, f"self-draft acceptance {rate:.3f}"
 
 
-def test_stop_string_across_tokens_trims_text_tokens_and_logprobs(llm, prompts, reference):
+def test_stop_string_across_tokens_trims_text_tokens_and_logprobs(
+    llm, prompts, reference, fresh_llm
+):
     ref = reference[1].outputs[0]
     tok = llm.tokenizer
     # a stop string made of the tail of token 5 and the whole of tokens 6-7: it spans 3 tokens
@@ -69,11 +87,7 @@ def test_stop_string_across_tokens_trims_text_tokens_and_logprobs(llm, prompts, 
     first = ref.text.index(stop)
     end_tok = next(i for i, p in enumerate(pieces) if len(p) >= first + len(stop))
     for cfg in [None, {"method": "draft_model", "num_speculative_tokens": 4, "model": "self"}]:
-        eng = (
-            llm
-            if cfg is None
-            else LLM(dtype="float32", device="cpu", progress=False, speculative_config=cfg)
-        )
+        eng = llm if cfg is None else fresh_llm(speculative_config=cfg)
         sp = SamplingParams(temperature=0, max_tokens=128, stop=[stop], logprobs=2)
         c = eng.generate([prompts[1]], sp, use_tqdm=False)[0].outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == stop

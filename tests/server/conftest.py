@@ -77,7 +77,11 @@ def _serve(llm: LLM, **opts: Any) -> Iterator[Served]:
 
 @pytest.fixture(scope="session")
 def smol() -> Iterator[Served]:
-    llm = LLM(progress=False, device="cpu", max_num_seqs=16, debug_invariants=True)
+    # a KV cache of 0.5 GiB (room for ~11k tokens) instead of the CPU default's 2 GiB: this
+    # engine lives for the whole session
+    llm = LLM(
+        progress=False, device="cpu", max_num_seqs=16, debug_invariants=True, kv_cache_memory_gb=0.5
+    )
     yield from _serve(llm)
 
 
