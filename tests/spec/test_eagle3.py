@@ -130,7 +130,8 @@ def _spy(llm) -> list[tuple[list[int], list[int], list[float], int]]:
     def spy(seqs, limits):
         snap = [list(s.token_ids) for s in seqs]
         late = [
-            s.num_tokens - 1 - drafter._marks.valid(s) if s.num_output_tokens > 1 else 0 for s in seqs
+            s.num_tokens - 1 - drafter._marks.valid(s) if s.num_output_tokens > 1 else 0
+            for s in seqs
         ]
         out = orig(seqs, limits)
         records.extend((t, d, c, n) for t, (d, c), n in zip(snap, out, late) if d)
