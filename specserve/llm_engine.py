@@ -30,10 +30,10 @@ from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import SampledStep, StepSampler
 from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
-from specserve.spec.budget_policy import VerifyBudgetPolicy
-from specserve.spec.drafter import build_drafter
-from specserve.spec.speculator import Speculator
-from specserve.spec.step_timer import StepTimer
+from specserve.speculative.budget_policy import VerifyBudgetPolicy
+from specserve.speculative.drafter import build_drafter
+from specserve.speculative.speculator import Speculator
+from specserve.speculative.step_timer import StepTimer
 from specserve.structured.backend import GrammarBackend
 
 log = logging.getLogger("specserve.engine")

@@ -9,7 +9,7 @@ import pytest
 
 from specserve import SamplingParams
 from specserve.engine.sequence import FinishReason
-from specserve.spec.host_overhead import load_range
+from specserve.speculative.host_overhead import load_range
 from tests.engine.conftest import make_llm, prompts_of
 
 _LLMS = {}
@@ -186,7 +186,7 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     """At the end of a pause the engine asks keeps_pausing() (last round's confidences) first:
     while it says yes, steps stay overlapped, up to MAX_STALE_PAUSES extensions, then it drafts
     for real. Outputs stay lossless."""
-    from specserve.spec.speculator import MAX_STALE_PAUSES, PAUSE_STEPS
+    from specserve.speculative.speculator import MAX_STALE_PAUSES, PAUSE_STEPS
 
     prompts = prompts_of([12, 30, 8, 21])
     prompts.append([101, 102, 103, 104] * 8)
@@ -212,7 +212,7 @@ def test_drafting_rounds_that_confirm_a_pause_come_ever_more_rarely(monkeypatch)
     """Each real drafting round drains the pipeline (one step's host work exposed). A round
     forced by staleness that confirms the pause doubles the extensions before the next one, up
     to MAX_STALE_PAUSES_CAP; a round whose verdict keeps drafts starts over. Lossless."""
-    from specserve.spec.speculator import MAX_STALE_PAUSES, MAX_STALE_PAUSES_CAP, PAUSE_STEPS
+    from specserve.speculative.speculator import MAX_STALE_PAUSES, MAX_STALE_PAUSES_CAP, PAUSE_STEPS
 
     prompt = [101, 102, 103, 104] * 8  # n-gram drafts at every step
     n_tokens = 1800

@@ -14,7 +14,7 @@ import pytest
 from specserve.model.config import ModelConfig
 from specserve.model.loader.dummy import PRESETS
 from tests.engine.conftest import make_llm
-from tests.spec.test_eagle3 import _copy_head
+from tests.speculative.test_eagle3 import _copy_head
 from tests.structured.test_json_schemas import _check, _run
 
 N = 12  # schemas; the whole list is covered with speculation off, n-gram and the draft model

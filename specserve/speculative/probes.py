@@ -17,7 +17,7 @@ PROBE_AFTER_MAX; speculation winning there on its own starts the wait over.
 
 from __future__ import annotations
 
-from specserve.spec.host_overhead import load_range
+from specserve.speculative.host_overhead import load_range
 
 PROBE_AFTER = 512  # steps without speculation before the first probe at a load
 PROBE_AFTER_MAX = 8 * PROBE_AFTER

@@ -4,7 +4,7 @@ import pytest
 
 from specserve.engine.scheduler import StepBatch
 from specserve.llm_engine import LaunchedStep
-from specserve.spec.step_timer import StepTimer
+from specserve.speculative.step_timer import StepTimer
 
 
 class _Budget:
@@ -39,7 +39,7 @@ def test_sync_overhead_is_the_gap_to_the_next_step_capped_at_the_step(monkeypatc
     budget = _Budget()
     timer = StepTimer(budget)
     clock = iter([1.004, 2.008])  # the readbacks of the two synchronous steps below
-    monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("specserve.speculative.step_timer.time.perf_counter", lambda: next(clock))
     timer.begin_step(1.0)
     timer.read_back(_decode_step(1.0, overlapped=False, behind=False))
     timer.sync_step_processed(1.0, measured=True)
@@ -76,7 +76,7 @@ def test_plain_steps_are_timed_between_readbacks_of_steps_queued_behind_another(
     budget = _Budget()
     timer = StepTimer(budget)
     clock = iter([1.010, 1.015, 1.030, 1.036])
-    monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("specserve.speculative.step_timer.time.perf_counter", lambda: next(clock))
     timer.read_back(_decode_step(1.0, overlapped=True, behind=False))  # first: nothing before
     timer.read_back(_decode_step(1.001, overlapped=True, behind=True))  # 5 ms after it
     timer.read_back(_decode_step(1.016, overlapped=True, behind=False))  # after a flush: skipped
@@ -85,7 +85,7 @@ def test_plain_steps_are_timed_between_readbacks_of_steps_queued_behind_another(
     timer.flush()
     assert [round(s, 6) for _, s, _, _ in budget.plain] == [0.005, 0.006]
     timer.end_step(unfinished=True, drained=True)  # drained: the next interval is idle time
-    monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: 5.0)
+    monkeypatch.setattr("specserve.speculative.step_timer.time.perf_counter", lambda: 5.0)
     timer.read_back(_decode_step(4.0, overlapped=True, behind=True))
     timer.flush()
     assert len(budget.plain) == 2
@@ -98,7 +98,7 @@ def test_measurements_reach_the_budget_at_flush_in_order(monkeypatch):
     budget = _Budget()
     timer = StepTimer(budget)
     clock = iter([1.004, 1.010, 1.015])
-    monkeypatch.setattr("specserve.spec.step_timer.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("specserve.speculative.step_timer.time.perf_counter", lambda: next(clock))
     timer.read_back(_decode_step(1.0, overlapped=False, behind=False))
     assert budget.steps == [] and budget.prepared == 0
     timer.read_back(_decode_step(1.005, overlapped=True, behind=False))

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from specserve.spec.step_cost import MIN_REAL, StepCostCurve
-from tests.spec.conftest import observe
+from specserve.speculative.step_cost import MIN_REAL, StepCostCurve
+from tests.speculative.conftest import observe
 
 
 def test_step_cost_curve_medians_envelope_and_cache(tmp_path):
@@ -185,7 +185,7 @@ def test_cpu_start_up_values_are_the_robust_line_and_neighbours_shift_at_most_2x
     bucket does not set its neighbours' price), and an unobserved bucket moves with its real
     neighbour by at most MAX_LEVEL_SHIFT (a start-up value far too low at 64 rows made 80 rows
     look 4x dearer than they are, so auto trimmed drafts that paid at C = 16)."""
-    from specserve.spec.step_cost import MAX_LEVEL_SHIFT
+    from specserve.speculative.step_cost import MAX_LEVEL_SHIFT
 
     buckets = [1, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80]
     wild = {40: 0.170, 64: 0.031}  # off 3x either way

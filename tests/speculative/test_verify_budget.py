@@ -8,8 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from specserve.spec.step_cost import StepCostCurve
-from specserve.spec.verify_budget import choose_verify_budget, survivals
+from specserve.speculative.step_cost import StepCostCurve
+from specserve.speculative.verify_budget import choose_verify_budget, survivals
 
 conf_lists = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=4)
 cost_points = st.lists(st.floats(0.5, 3.0), min_size=16, max_size=16)
@@ -87,8 +87,8 @@ def test_vectorised_chooser_equals_the_loop(seed, padded):
     or not, bare or with the policy's per-step offset; asked twice (the candidate times are
     cached per curve envelope), and again after the curve changed."""
 
-    from specserve.spec import verify_budget as vb
-    from specserve.spec.verify_budget import OffsetCurve
+    from specserve.speculative import verify_budget as vb
+    from specserve.speculative.verify_budget import OffsetCurve
 
     rng = random.Random(seed)
     n = rng.randint(20, 300)
@@ -164,7 +164,7 @@ def test_padded_chooser_scores_bucket_tops_only_and_matches_brute_force(conf, pt
 @pytest.mark.parametrize("n", [3, 40])
 def test_confidences_out_of_range_are_clipped_like_in_range_ones(n):
     """A drafter's confidence above 1 or below 0 counts as 1 or 0, in the loop and in numpy."""
-    from specserve.spec import verify_budget as vb
+    from specserve.speculative import verify_budget as vb
 
     rng = random.Random(n)
     raw = [[rng.uniform(-0.5, 1.5) for _ in range(4)] for _ in range(n)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.engine.sequence import Sequence
-from specserve.spec.acceptance import AcceptanceEstimator
+from specserve.speculative.acceptance import AcceptanceEstimator
 
 
 @dataclass

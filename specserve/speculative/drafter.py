@@ -81,19 +81,19 @@ def reserve_draft_blocks(
 
 def build_drafter(spec: SpeculativeConfig, engine: LLMEngine) -> Drafter:
     if spec.method == "golden":
-        from specserve.spec.golden import GoldenDrafter
+        from specserve.speculative.golden import GoldenDrafter
 
         return GoldenDrafter(
             spec.acceptance_rate, engine.model_config.vocab_size, engine.config.seed
         )
     if spec.method == "ngram":
-        from specserve.spec.ngram import NgramDrafter
+        from specserve.speculative.ngram import NgramDrafter
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "eagle3":
-        from specserve.spec.eagle3 import Eagle3Drafter
+        from specserve.speculative.eagle3 import Eagle3Drafter
 
         return Eagle3Drafter(spec, engine)
-    from specserve.spec.draft_model import DraftModelDrafter
+    from specserve.speculative.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(spec, engine)

@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from specserve.spec.host_overhead import MIN_SAMPLES, WINDOW, HostOverhead, load_range
+from specserve.speculative.host_overhead import MIN_SAMPLES, WINDOW, HostOverhead, load_range
 
 
 def test_load_ranges_are_powers_of_two():

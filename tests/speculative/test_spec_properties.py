@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve import SamplingParams
-from specserve.spec.draft_model import DraftModelDrafter
+from specserve.speculative.draft_model import DraftModelDrafter
 from tests.engine.conftest import make_llm
 
 _ENGINE = {}

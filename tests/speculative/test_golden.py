@@ -71,7 +71,7 @@ def test_right_and_wrong_drafts_depend_on_the_request_not_on_the_draw_order():
     different patterns (k = 1 each step vs k = 4, other requests in between) agree on every
     position, and over many requests the share of right drafts is the dialled rate."""
     from specserve.engine.sequence import Sequence
-    from specserve.spec.golden import GoldenDrafter
+    from specserve.speculative.golden import GoldenDrafter
 
     def seq(i: int, gold: list[int]) -> Sequence:
         sp = SamplingParams(max_tokens=len(gold), golden_token_ids=gold)

@@ -12,7 +12,7 @@ def test_calibration_measures_the_context_cost_and_rows_apart():
     contexts and request counts the synthetic steps use."""
     from types import SimpleNamespace
 
-    from specserve.spec import calibration as bp
+    from specserve.speculative import calibration as bp
 
     calls = []
 
@@ -46,7 +46,7 @@ def test_fixed_terms_measured_too_high_never_make_the_curve_negative():
     positive (they compounded to -1e307 and NaN before)."""
     from types import SimpleNamespace
 
-    from specserve.spec import calibration as bp
+    from specserve.speculative import calibration as bp
 
     def synthetic(self, rows, context=bp.CALIBRATION_CONTEXT, n_req=None):
         n_req = n_req or min(rows, 256)
@@ -83,7 +83,7 @@ def test_each_curve_is_measured_in_the_shape_of_the_steps_it_prices(tmp_path):
     each is cached apart, and the plain curve reuses the fixed terms it is given."""
     from types import SimpleNamespace
 
-    from specserve.spec import calibration as bp
+    from specserve.speculative import calibration as bp
 
     calls = []
 

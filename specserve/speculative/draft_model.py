@@ -16,7 +16,7 @@ from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner
-from specserve.spec.drafter import DraftKVMarks, reserve_draft_blocks
+from specserve.speculative.drafter import DraftKVMarks, reserve_draft_blocks
 
 
 class DraftModelDrafter:

@@ -1,6 +1,6 @@
 """Helpers shared by the verify-budget tests."""
 
-from specserve.spec.step_cost import MIN_REAL, StepCostCurve
+from specserve.speculative.step_cost import MIN_REAL, StepCostCurve
 
 
 def observe(curve: StepCostCurve, rows: int, seconds: float, **fixed: int) -> None:

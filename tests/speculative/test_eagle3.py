@@ -26,7 +26,7 @@ from specserve.sampling_params import InvalidRequestError
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.harness import PagedRunner
 from tests.model.test_eagle3_format import head_config, write_head, write_tiny_head
-from tests.spec.test_lossless import CHI2_CRIT, _chi2
+from tests.speculative.test_lossless import CHI2_CRIT, _chi2
 
 LAYERS = [0, 2, 3]  # explicit: a 4-layer target's default ids (2, 2, 1) repeat a layer
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -275,7 +275,7 @@ def test_rejection_sampling_with_the_heads_q_is_lossless(tmp_path):
     from specserve.ops.random import hashed_uniform
     from specserve.ops.sampling import DRAFT_SALT
     from tests.model.test_eagle3_format import head_tensors
-    from tests.spec.test_lossless import N, V
+    from tests.speculative.test_lossless import N, V
 
     tc = ModelConfig("LlamaForCausalLM", V, 16, 32, 4, 2, 1, 8)
     draft_ids = [1, 2, 4, 6, 7]  # 0, 3, 5 lie outside the draft vocabulary: q = 0 there

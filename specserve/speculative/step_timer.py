@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from specserve.llm_engine import LaunchedStep
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
 # a synchronous step awaiting its overhead: (step() start, launch-to-readback, rows, context
 # tokens, requests)

@@ -34,7 +34,7 @@ from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner, StepInputs
-from specserve.spec.drafter import DraftKVMarks, reserve_draft_blocks
+from specserve.speculative.drafter import DraftKVMarks, reserve_draft_blocks
 
 
 class Eagle3Drafter:

@@ -2,12 +2,12 @@
 
 import pytest
 
-from specserve.spec.step_cost import StepCostCurve
-from tests.spec.conftest import observe
+from specserve.speculative.step_cost import StepCostCurve
+from tests.speculative.conftest import observe
 
 
 def test_budget_policy_explores_so_a_pessimistic_start_is_corrected():
-    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
 
     class Sched:
         running, waiting, max_num_seqs = [], [], 4
@@ -35,7 +35,7 @@ def test_every_step_explores_while_learned_confidences_are_young():
     learned ones with enough samples explore at the usual rate."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import (
+    from specserve.speculative.budget_policy import (
         EXPLORE_EVERY,
         EXPLORE_UNTIL_SAMPLES,
         VerifyBudgetPolicy,
@@ -66,7 +66,7 @@ def test_overlapped_plain_decoding_is_priced_with_its_own_curve():
     """With a host drafter, no drafts at all means the step can run overlapped (host work hidden):
     when that plain step is cheap enough, it beats the speculative choice priced on the
     synchronous curve; when it is not, the drafts stay."""
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     class Sched:
         running, waiting, max_num_seqs = [], [], 64
@@ -102,8 +102,8 @@ def test_speculation_against_plain_is_weighed_at_the_level_of_real_periods():
     when plain steps' mean runs as far above their median, speculation wins again."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
-    from specserve.spec.period_bias import MIN_SAMPLES
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.period_bias import MIN_SAMPLES
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     curve = StepCostCurve([8, 16, 32, 64, 128])
@@ -137,7 +137,7 @@ def test_plain_decoding_at_an_unmeasured_load_gets_one_pause_to_measure_it():
     speculation's lead is small enough for that price's error to matter."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     curve = StepCostCurve([8, 16, 32, 64, 128])
@@ -168,7 +168,7 @@ def _slow_spell_policy():
     the policy, its synchronous curve and trim(step): the trim drafting for step `step`."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64, step_id=0)
     curve = StepCostCurve([8, 16, 32, 64, 128], padded=True)
@@ -195,7 +195,7 @@ def test_speculation_that_lost_to_plain_is_re_measured_when_its_price_is_old():
     the speculative choice; their steps replace the old synchronous measurements, and with the
     corrected price speculation wins again. Where plain wins by more, no probe."""
 
-    from specserve.spec.probes import PROBE_AFTER, PROBE_STEPS
+    from specserve.speculative.probes import PROBE_AFTER, PROBE_STEPS
 
     p, curve, trim = _slow_spell_policy()
 
@@ -220,8 +220,8 @@ def test_probes_that_confirm_plain_come_ever_more_rarely_until_speculation_wins(
     (H200 sweeps at R = 0.5, C = 64: runs with probes ran 2-7 % below plain, runs without them
     0.6 %), up to PROBE_AFTER_MAX; once speculation wins on its own the wait starts over."""
 
-    from specserve.spec import budget_policy
-    from specserve.spec.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS
+    from specserve.speculative import budget_policy
+    from specserve.speculative.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS
 
     monkeypatch.setattr(budget_policy, "EXPLORE_EVERY", 10**9)  # probes alone: no exploration
     p, curve, trim = _slow_spell_policy()
@@ -265,7 +265,7 @@ def test_no_drafts_while_prompts_being_admitted_raise_the_load_to_where_plain_wi
     out leave the load where it is, and speculation goes on."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     bm = SimpleNamespace(num_free_blocks=10_000, blocks_needed=lambda tokens: -(-tokens // 16))
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256, bm=bm)
@@ -304,7 +304,7 @@ def test_the_end_of_a_pause_is_decided_with_the_last_rounds_confidences():
     with drafts at all means "draft for real"."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     curve = StepCostCurve([1, 8, 16, 32, 64, 128])
@@ -330,7 +330,7 @@ def test_exploration_at_high_load_adds_a_quarter_of_the_step():
     then (acceptance estimates learn only from verified drafts)."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import EXPLORE_EVERY, VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=256)
     curve = StepCostCurve([1, 64, 256, 512, 1280])
@@ -354,7 +354,7 @@ def test_the_chooser_prices_whole_step_periods():
     it a 50 % draft per request is not worth its rows here; with it, it is."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     curve = StepCostCurve([16, 32, 64])
@@ -371,7 +371,7 @@ def test_long_contexts_make_verify_rows_relatively_cheap():
     chosen): next to a large one, drafts that did not pay with short contexts pay."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     curve = StepCostCurve([16, 32, 64], kv_cost=1e-4)
@@ -389,7 +389,7 @@ def test_per_request_cost_is_fixed_within_a_decision():
     every candidate, so a draft that does not pay against f alone pays next to it."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     sched = SimpleNamespace(running=[], waiting=[], max_num_seqs=64)
     drafts, confs = [[1]] * 16, [[0.5]] * 16
@@ -409,7 +409,7 @@ def test_drafts_are_priced_as_in_a_decode_step_whatever_prompt_work_shares_it():
     not pay there are not verified just because a long prompt chunk makes the step long."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     curve = StepCostCurve([16, 32, 64, 256, 512])
     curve.calibrate(lambda rows: 1.0 + rows / 16, reps=1)  # 16 rows: 2.0, 32 rows: 3.0
@@ -430,7 +430,7 @@ def test_prepare_does_the_next_trims_curve_work_ahead():
     choice is the same as without it."""
     from types import SimpleNamespace
 
-    from specserve.spec.budget_policy import VerifyBudgetPolicy
+    from specserve.speculative.budget_policy import VerifyBudgetPolicy
 
     def policy() -> VerifyBudgetPolicy:
         curve = StepCostCurve([1, 2, 4, 8, 16], padded=True, refresh_every=4)

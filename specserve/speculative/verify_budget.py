@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from specserve.spec.step_cost import StepCostCurve
+    from specserve.speculative.step_cost import StepCostCurve
 
 
 class BudgetChoice(NamedTuple):

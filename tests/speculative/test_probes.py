@@ -1,7 +1,7 @@
 """The probe schedule: when speculation that lost to plain decoding is measured again."""
 
-from specserve.spec.host_overhead import load_range
-from specserve.spec.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS, ProbeSchedule
+from specserve.speculative.host_overhead import load_range
+from specserve.speculative.probes import PROBE_AFTER, PROBE_AFTER_MAX, PROBE_STEPS, ProbeSchedule
 
 
 def test_a_probe_waits_for_old_prices_and_a_near_verdict_and_lasts_its_steps():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specserve.spec.period_bias import HIGH, MIN_SAMPLES, WINDOW, PeriodBias
+from specserve.speculative.period_bias import HIGH, MIN_SAMPLES, WINDOW, PeriodBias
 
 
 def test_factor_is_one_until_enough_ratios_then_their_mean():

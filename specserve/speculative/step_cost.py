@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from specserve.spec.curve_math import nearest_flagged, theil_sen
+from specserve.speculative.curve_math import nearest_flagged, theil_sen
 
 # f keeps at least this share of a step's time when the fixed terms are taken out: fixed costs
 # measured too high (the CPU's context cost varies 2-3x between start-ups) must not drive f to

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.spec.curve_math import theil_sen
-from specserve.spec.step_cost import StepCostCurve
+from specserve.speculative.curve_math import theil_sen
+from specserve.speculative.step_cost import StepCostCurve
 
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine

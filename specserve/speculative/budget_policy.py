@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 from specserve.engine.sequence import Sequence
 from specserve.runner.cuda_graph import capture_sizes
-from specserve.spec.calibration import StartupCalibration
-from specserve.spec.host_overhead import HostOverhead
-from specserve.spec.period_bias import PeriodBias
-from specserve.spec.probes import ProbeSchedule
-from specserve.spec.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
-from specserve.spec.verify_budget import (
+from specserve.speculative.calibration import StartupCalibration
+from specserve.speculative.host_overhead import HostOverhead
+from specserve.speculative.period_bias import PeriodBias
+from specserve.speculative.probes import ProbeSchedule
+from specserve.speculative.step_cost import ENGINE_REFRESH_EVERY, StepCostCurve
+from specserve.speculative.verify_budget import (
     BudgetChoice,
     OffsetCurve,
     choose_verify_budget,
