@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -208,6 +209,35 @@ def load_sharegpt_corpus(refresh: bool = False) -> ShareGPTCorpus:
         )
     os.replace(tmp, path)  # atomic, so a concurrent reader never sees half a cache
     return corpus
+
+
+# ShareGPT prompts are split once, by a hash of their text, into those `specserve train-head`
+# may train on and a held-out share it never sees: benchmarks of a trained head draw from the
+# held-out share, so no benchmark prompt was a training prompt, whatever seeds either run uses.
+HELDOUT_BUCKETS = 20  # one prompt in 20 is held out
+
+
+def is_heldout(prompt: str) -> bool:
+    digest = hashlib.blake2b(prompt.strip().encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % HELDOUT_BUCKETS == 0
+
+
+def sharegpt_prompts(num: int, seed: int, heldout: bool) -> list[str]:
+    """`num` distinct non-empty ShareGPT first human turns (fewer if the split runs out) of the
+    training share (heldout=False) or the held-out one, in a seed-shuffled order."""
+    pairs = load_sharegpt_corpus().pairs
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    out: list[str] = []
+    seen: set[str] = set()
+    for i in order:
+        text = pairs[i][0].strip()
+        if text and text not in seen and is_heldout(text) == heldout:
+            seen.add(text)
+            out.append(text)
+            if len(out) == num:
+                break
+    return out
 
 
 def _token_ids(tokenizer: Any, texts: Sequence[str], special: bool) -> list[list[int]]:

@@ -64,6 +64,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument(
         "--steps", type=int, default=None, help="optimizer steps in all (overrides --epochs)"
     )
+    h.add_argument(
+        "--train-seconds",
+        type=float,
+        default=None,
+        help="train for about this long: the schedule is sized from the speed of the first "
+        "steps (at most --epochs / --steps)",
+    )
     h.add_argument("--batch-size", type=int, default=16, help="sequences per batch at most (16)")
     h.add_argument(
         "--max-tokens-per-batch",
@@ -175,6 +182,7 @@ def job_from_args(args: argparse.Namespace):
             confidence_weight=args.confidence_weight,
             seed=args.seed,
             save_every=args.save_every,
+            train_seconds=args.train_seconds,
         ),
     )
 

@@ -77,23 +77,11 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def sharegpt_prompts(num: int, seed: int) -> list[str]:
-    """`num` distinct non-empty first human turns of ShareGPT, in a seed-shuffled order (more
-    than asked: the length filter drops some)."""
-    from specserve.bench.datasets import load_sharegpt_corpus
+    """`num` distinct non-empty first human turns of ShareGPT's training share (the held-out
+    share, bench.datasets.is_heldout, is never trained on), in a seed-shuffled order."""
+    from specserve.bench.datasets import sharegpt_prompts as split_prompts
 
-    pairs = load_sharegpt_corpus().pairs
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    out: list[str] = []
-    seen: set[str] = set()
-    for i in order:
-        text = pairs[i][0].strip()
-        if text and text not in seen:
-            seen.add(text)
-            out.append(text)
-            if len(out) == num:
-                break
-    return out
+    return split_prompts(num, seed, heldout=False)
 
 
 def file_prompts(path: Path) -> list[str]:

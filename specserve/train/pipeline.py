@@ -81,6 +81,8 @@ def check_job(job: HeadTrainingJob) -> None:
         raise TrainHeadError(f"--heldout-fraction {job.heldout_fraction}: need [0, 1)")
     if t.epochs < 1 or (t.max_steps is not None and t.max_steps < 1):
         raise TrainHeadError("--epochs and --steps must be >= 1")
+    if t.train_seconds is not None and not t.train_seconds > 0:
+        raise TrainHeadError(f"--train-seconds {t.train_seconds}: need > 0")
     if t.batch_size < 1 or t.max_tokens_per_batch < 1:
         raise TrainHeadError("--batch-size and --max-tokens-per-batch must be >= 1")
     if not t.lr > 0:

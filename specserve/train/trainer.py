@@ -31,6 +31,7 @@ from specserve.train.vocab import DraftVocab
 
 CHECKPOINT_FORMAT = 1
 SORT_WINDOW = 16  # batches' worth of samples sorted by length together (less padding)
+PROBE_STEPS = 10  # --train-seconds: steps timed (after the first, which warms up) to size the run
 
 
 @dataclass
@@ -48,6 +49,9 @@ class TrainOptions:
     confidence_weight: float = 1.0
     seed: int = 0
     save_every: int = 200  # optimizer steps between checkpoints (also one at every epoch end)
+    # seconds of training in all: the schedule (steps, warm-up, cosine) is sized from the speed
+    # of the first PROBE_STEPS steps so that it ends in about this time (at most `epochs`)
+    train_seconds: float | None = None
 
     # the fields a resumed run must share with the checkpoint (the rest may change)
     RESUME_FIXED = (
@@ -62,6 +66,7 @@ class TrainOptions:
         "step_decay",
         "confidence_weight",
         "seed",
+        "train_seconds",
     )
 
 
@@ -159,6 +164,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # epoch in progress
     batch: int = 0  # batches of that epoch done
+    total_steps: int | None = None  # the run's length once fixed (--train-seconds sizes it)
 
 
 class Trainer:
@@ -184,12 +190,29 @@ class Trainer:
             betas=(0.9, 0.95),
         )
         self.batches_per_epoch = len(self._epoch_batches(0))
-        self.total_steps = opts.max_steps or opts.epochs * self.batches_per_epoch
-        warmup = max(1, round(opts.warmup_ratio * self.total_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.total_steps, warmup)
-        )
         self.state = TrainState()
+        self.state.total_steps = None if opts.train_seconds else self._max_steps()
+        # read at every step: a run sized by --train-seconds fixes its length after the probe
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(
+                s, self.total_steps, max(1, round(opts.warmup_ratio * self.total_steps))
+            ),
+        )
+
+    def _max_steps(self) -> int:
+        return self.opts.max_steps or self.opts.epochs * self.batches_per_epoch
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run (the most the options allow until a timed run is sized)."""
+        return self.state.total_steps or self._max_steps()
+
+    def _size_by_time(self, seconds_per_step: float) -> None:
+        budget = self.opts.train_seconds
+        assert budget is not None
+        fit = max(self.state.step + 1, int(budget / max(seconds_per_step, 1e-9)))
+        self.state.total_steps = min(self._max_steps(), fit)
 
     def _epoch_batches(self, epoch: int) -> list[list[Sample]]:
         o = self.opts
@@ -253,6 +276,7 @@ class Trainer:
         end the call early, with a checkpoint to resume from."""
         st = self.state
         start_step, t0 = st.step, time.monotonic()
+        t_probe = None  # --train-seconds: when the timed probe steps began
         bar = tqdm(
             total=self.total_steps,
             initial=st.step,
@@ -268,8 +292,14 @@ class Trainer:
                 if st.batch >= len(batches):
                     st.epoch, st.batch = st.epoch + 1, 0
                     continue
+                sizing = self.opts.train_seconds is not None and st.total_steps is None
+                if sizing and st.step == 1:
+                    t_probe = time.monotonic()
                 rec = self.train_step(batches[st.batch])
                 st.step += 1
+                if sizing and t_probe is not None and st.step > PROBE_STEPS:
+                    self._size_by_time((time.monotonic() - t_probe) / (st.step - 1))
+                    bar.total = self.total_steps
                 st.batch += 1
                 rec.update(step=st.step, epoch=st.epoch)
                 log.write(json.dumps(rec) + "\n")

@@ -152,6 +152,58 @@ def test_resumed_training_equals_an_uninterrupted_run(
         other.load_checkpoint()
 
 
+def test_train_seconds_sizes_the_schedule_from_measured_speed(
+    tmp_path: Path, train_target_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--train-seconds: after the probe steps the run is sized to the budget at the measured
+    speed (a fake clock: 2 s a step), the schedule decays to zero at that step, and the size
+    survives a resume."""
+    import specserve.train.trainer as tr
+
+    target = load_model(str(train_target_dir), torch.float32, torch.device("cpu"), progress=False)
+    samples = _samples(16, 3)
+    vocab = build_draft_vocab([s.answer_ids for s in samples], 128, 49152)
+    clock = [0.0]
+
+    def step_then_tick(self: Trainer, batch: list[Sample]) -> dict[str, object]:
+        clock[0] += 2.0
+        return {"loss": 0.0, "acc": [0.0]}
+
+    monkeypatch.setattr(tr.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(Trainer, "train_step", step_then_tick)
+    opts = TrainOptions(ttt_steps=1, epochs=50, batch_size=1, train_seconds=31.0, save_every=100)
+    t = Trainer(target.model, build_head(target.model, vocab, 0), samples, opts, tmp_path, False)
+    assert t.total_steps == 50 * 16  # not sized yet: the most the options allow
+    t.run()
+    assert t.finished and t.state.total_steps == 15  # 31 s / 2 s a step
+    assert t.scheduler.lr_lambdas[0](15) == pytest.approx(0.0)
+    assert t.scheduler.lr_lambdas[0](8) > 0.1
+    again = Trainer(
+        target.model, build_head(target.model, vocab, 0), samples, opts, tmp_path, False
+    )
+    again.load_checkpoint()
+    assert again.finished and again.total_steps == 15
+    tiny = TrainOptions(ttt_steps=1, epochs=1, batch_size=4, train_seconds=1e6, save_every=100)
+    capped = Trainer(
+        target.model, build_head(target.model, vocab, 0), samples, tiny, tmp_path / "c", False
+    )
+    capped.run()
+    assert capped.finished and capped.total_steps == 4  # never past --epochs
+
+
+def test_heldout_prompts_are_never_training_prompts() -> None:
+    from specserve.bench.datasets import is_heldout, load_sharegpt_corpus
+    from specserve.bench.datasets import sharegpt_prompts as split_prompts
+    from specserve.train.data import sharegpt_prompts
+
+    train = sharegpt_prompts(400, seed=0)
+    held = split_prompts(100, seed=0, heldout=True)
+    assert len(held) == 100 and not set(train) & set(held)
+    assert all(is_heldout(p) for p in held) and not any(is_heldout(p) for p in train)
+    prompts = {p.strip() for p, _ in load_sharegpt_corpus().pairs if p.strip()}
+    assert 0.04 < sum(map(is_heldout, prompts)) / len(prompts) < 0.06  # one in 20
+
+
 def test_data_cache_and_split(tmp_path: Path) -> None:
     spec = DataSpec("m", "sharegpt", 10, 512, 16, 0.0, 0)
     cache = AnswerCache(tmp_path, spec)
