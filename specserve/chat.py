@@ -116,3 +116,13 @@ def render_chat(
     if not isinstance(text, str):  # a batch-shaped answer from an unusual template
         raise InvalidRequestError("the chat template did not render a single prompt", "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def user_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """One user turn under the model's chat template, tokenized as the engine does (vLLM's
+    rules: the template writes the special tokens, none are added again); plain text for a
+    tokenizer without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    messages = [{"role": "user", "content": text}]
+    return render_chat(tokenizer, messages, {"add_generation_prompt": True})[1]

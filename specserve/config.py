@@ -56,10 +56,9 @@ class SpeculativeConfig:
             method, k, **{key: spec.pop(key) for key in list(spec) if key in known}
         )
         cfg.extra = spec
-        if method in ("draft_model", "eagle3") and not cfg.model:
-            what = "an EAGLE-3 head folder" if method == "eagle3" else "a draft model"
+        if method == "draft_model" and not cfg.model:
             raise InvalidRequestError(
-                f"speculative_config.model is required for method {method!r} ({what})",
+                "speculative_config.model is required for method 'draft_model' (a draft model)",
                 "speculative_config.model",
             )
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
@@ -165,6 +164,13 @@ class EngineConfig:
             bad(
                 _unchunked_msg(self.max_num_batched_tokens, self.max_model_len),
                 "max_num_batched_tokens",
+            )
+        spec = self.speculative_config
+        if spec is not None and spec.method == "eagle3" and not spec.model and self.model:
+            bad(
+                "speculative_config.model is required for method 'eagle3' (an EAGLE-3 head "
+                "folder or hub id); only the default model has a head shipped with specserve",
+                "speculative_config.model",
             )
         _check_device(self.device)
 

@@ -1,29 +1,52 @@
 """Build .devcarry: what a GPU run carries to the device machine, which has no model hub, no
-`gguf` package and a 64 MiB carry limit: the default model's tokenizer (dummy models use it) and
-the ShareGPT pairs. On the device: SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and
-SPECSERVE_CACHE=$PWD/.devcarry/cache (see benchmarks/h200.sh).
+network and a 64 MiB carry limit per call: the default model's tokenizer (dummy models use it),
+the ShareGPT pairs and the HumanEval wheel (benchmark prompts). On the device:
+SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and SPECSERVE_CACHE=$PWD/.devcarry/cache (see
+benchmarks/h200.sh).
 
-    python tools/devcarry.py   (or: make devcarry)
+--gguf-halves also writes the default model's GGUF (98 MB, more than one call carries) in two
+halves, .devcarry-gguf1/ and .devcarry-gguf2/: carry the first in one call and the second in the
+next while the machine is still warm (ignored paths stay there between calls); h200.sh joins
+them into the cache.
+
+    python tools/devcarry.py [--gguf-halves]   (or: make devcarry)
 """
 
 from __future__ import annotations
 
+import gzip
 import shutil
+import sys
 from pathlib import Path
 
-from specserve.bench.datasets import load_sharegpt_corpus
+from specserve.bench.datasets import (
+    HUMANEVAL_DIST,
+    HUMANEVAL_VERSION,
+    fetch_wheel,
+    load_sharegpt_corpus,
+)
 from specserve.model.loader import cache_dir, default_model_path, gguf_tokenizer_folder
 
 
-def build(out: Path = Path(".devcarry")) -> None:
+def build(out: Path = Path(".devcarry"), gguf_halves: bool = False) -> None:
     shutil.copytree(
         gguf_tokenizer_folder(default_model_path()), out / "tokenizer", dirs_exist_ok=True
     )
     load_sharegpt_corpus()  # fetched and cached once
-    (out / "cache").mkdir(parents=True, exist_ok=True)
+    (out / "cache" / "wheels").mkdir(parents=True, exist_ok=True)
     for path in cache_dir().glob("sharegpt_v3_pairs*"):
-        shutil.copy(path, out / "cache")
+        # recompressed harder than the local cache (speed there, bytes here)
+        with gzip.open(path, "rb") as src, gzip.open(out / "cache" / path.name, "wb", 9) as dst:
+            shutil.copyfileobj(src, dst)
+    shutil.copy(fetch_wheel(HUMANEVAL_DIST, HUMANEVAL_VERSION), out / "cache" / "wheels")
+    if gguf_halves:
+        data = default_model_path().read_bytes()
+        half = len(data) // 2
+        for i, part in enumerate((data[:half], data[half:]), start=1):
+            folder = Path(f"{out}-gguf{i}")
+            folder.mkdir(exist_ok=True)
+            (folder / f"{default_model_path().name}.part{i}").write_bytes(part)
 
 
 if __name__ == "__main__":
-    build()
+    build(gguf_halves="--gguf-halves" in sys.argv[1:])

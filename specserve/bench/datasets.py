@@ -303,6 +303,23 @@ def load_sharegpt(
     )
 
 
+def load_sharegpt_chat(
+    num_prompts: int, tokenizer: Any, seed: int = 0, max_prompt_len: int = 512
+) -> list[BenchRequest]:
+    """Held-out ShareGPT first turns (never trained on by `specserve train-head`) as chat
+    requests: each rendered through the model's chat template, answered until it stops."""
+    from specserve.chat import user_prompt_ids
+
+    out: list[BenchRequest] = []
+    for text in sharegpt_prompts(4 * num_prompts + 16, seed, heldout=True):
+        ids = user_prompt_ids(tokenizer, text)
+        if len(ids) <= max_prompt_len:
+            out.append(BenchRequest(text, ids, 0))
+            if len(out) == num_prompts:
+                return out
+    raise ValueError(f"only {len(out)} held-out ShareGPT prompts pass the filters")
+
+
 # ---------------------------------------------------------------- HumanEval rewrite
 
 REWRITE_INSTRUCTION = (

@@ -73,6 +73,8 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
         }
         if args.method == "draft_model":
             spec["model"] = args.draft_model
+        if args.method == "eagle3" and args.draft_model != "self":
+            spec["model"] = args.draft_model  # else the default model's shipped head
         if args.method == "golden":
             spec["acceptance_rate"] = args.acceptance_rate
     return LLM(
@@ -122,8 +124,19 @@ def _build_requests(
 ) -> list[tuple[list[int], Any]]:
     """The request set of one concurrency level (built once, shared by all modes)."""
     from specserve import SamplingParams
-    from specserve.bench.datasets import load_humaneval_rewrite, load_sharegpt, random_requests
+    from specserve.bench.datasets import (
+        load_humaneval_rewrite,
+        load_sharegpt,
+        load_sharegpt_chat,
+        random_requests,
+    )
 
+    if args.dataset == "sharegpt-chat":
+        # chat answers run to their own end (EOS or max_tokens), as served
+        return [
+            (r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+            for r in load_sharegpt_chat(n, llm.tokenizer, seed=args.seed + level)
+        ]
     if args.dataset == "random":
         reqs = random_requests(
             n, (args.input_len, args.input_len), args.max_tokens, model_vocab_size(llm), args.seed
@@ -377,12 +390,15 @@ def add_sweep_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--method",
-        choices=("ngram", "draft_model", "golden"),
+        choices=("ngram", "draft_model", "eagle3", "golden"),
         default="ngram",
         help="drafter to sweep",
     )
     p.add_argument(
-        "--draft-model", default="self", help="method draft_model: its model (self: the target)"
+        "--draft-model",
+        default="self",
+        help="method draft_model: its model (self: the target); method eagle3: the head folder "
+        "(self: the default model's shipped head)",
     )
     p.add_argument(
         "--acceptance-rate",
@@ -393,9 +409,10 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--k", type=int, default=4, help="drafts per request per step (fixed k)")
     p.add_argument(
         "--dataset",
-        choices=("humaneval", "sharegpt", "random"),
+        choices=("humaneval", "sharegpt", "sharegpt-chat", "random"),
         default="humaneval",
-        help="prompts",
+        help="prompts (sharegpt-chat: held-out ShareGPT first turns under the chat template, "
+        "answered until they stop)",
     )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma list of max-num-seqs levels")

@@ -76,8 +76,10 @@ def _add_subcommands(sub: Any) -> None:
     from specserve.bench.golden_curve import add_golden_curve_parser
     from specserve.bench.plot_results import add_plot_parser
     from specserve.bench.spec_sweep import add_sweep_parser
+    from specserve.bench.structured import add_structured_parser
 
     add_sweep_parser(sub)
+    add_structured_parser(sub)
     add_golden_curve_parser(sub)
     add_plot_parser(sub)
     try:
@@ -189,6 +191,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
         report = run_sweep(args)
         return 0 if report["checks"]["all_ok"] else 1
+    if args.bench_command == "structured":
+        from specserve.bench.structured import run_structured_bench
+
+        run_structured_bench(args)
+        return 0
     if args.bench_command == "golden-curve":
         from specserve.bench import golden_curve
 

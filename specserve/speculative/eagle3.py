@@ -29,7 +29,7 @@ from specserve.engine.sequence import Sequence
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.eagle3 import Eagle3Head
 from specserve.model.errors import ModelLoadError
-from specserve.model.loader.eagle3 import load_eagle3_head
+from specserve.model.loader.eagle3 import default_head_path, load_eagle3_head
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
@@ -44,8 +44,10 @@ class Eagle3Drafter:
         self.engine = engine
         self.k = spec.num_speculative_tokens
         target, tc = engine.target_model, engine.model_config
+        # no model named: the target is the default model (EngineConfig checks), whose head ships
+        path = spec.model or default_head_path()
         self.head: Eagle3Head = load_eagle3_head(
-            spec.model, tc, engine.device, engine.dtype, target.embed_tokens
+            path, tc, engine.device, engine.dtype, target.embed_tokens
         )
         hc = self.head.config
         # per-position temperatures of the confidence logits (head training's calibration):

@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specserve.chat import user_prompt_ids as chat_prompt_ids
 from specserve.train.errors import TrainHeadError
 
 DATA_FORMAT = 1
@@ -63,17 +64,6 @@ class Split:
     train: list[Sample] = field(default_factory=list)
     calib: list[Sample] = field(default_factory=list)  # fits the confidence temperatures
     eval: list[Sample] = field(default_factory=list)  # held-out evaluation
-
-
-def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """A user turn under the model's chat template, tokenized as the engine does (vLLM's rules:
-    the template writes the special tokens, none are added again)."""
-    from specserve.chat import render_chat
-
-    if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(text, add_special_tokens=True))
-    messages = [{"role": "user", "content": text}]
-    return render_chat(tokenizer, messages, {"add_generation_prompt": True})[1]
 
 
 def sharegpt_prompts(num: int, seed: int) -> list[str]:

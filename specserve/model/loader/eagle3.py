@@ -82,6 +82,20 @@ _ST_DTYPES = {
 }
 
 
+# EAGLE-3 heads shipped inside the package, for the default model (trained by `specserve
+# train-head`; the README records how)
+SHIPPED_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-instruct"
+
+
+def default_head_path() -> Path:
+    """The head `method: "eagle3"` uses when it names none (the target is the default model)."""
+    if not (SHIPPED_HEAD / "config.json").is_file():
+        raise ModelLoadError(
+            f"speculative_config.model: no EAGLE-3 head is shipped in {SHIPPED_HEAD}; name one"
+        )
+    return SHIPPED_HEAD
+
+
 def load_eagle3_head(
     path: str | Path,
     target_config: ModelConfig,
