@@ -18,6 +18,7 @@ import torch
 from specserve.engine.sequence import Sequence
 from specserve.ops.logits_processing import LogitsProcessing
 from specserve.ops.transfer import h2d
+from specserve.structured.matcher import fill_first_rows
 
 
 def bad_word_bans(words: Seq[Seq[int]], output: Seq[int], drafts: Seq[int]) -> list[list[int]]:
@@ -119,9 +120,14 @@ def grammar_bitmask(entries: list[tuple[Sequence, list[int], int]]) -> torch.Ten
     first = entries[0][0].grammar
     rows = sum(len(d) + 1 for _, d, _ in entries)
     bits = torch.empty(rows, first.width, dtype=torch.int32)  # [G, W]
+    # requests without drafts (all of them in plain decoding) in one multithreaded call
+    plain = [(seq.grammar, start) for seq, d, start in entries if not d]
+    if plain:
+        fill_first_rows([g for g, _ in plain], bits, [start for _, start in plain])
     for seq, d, start in entries:
         g = seq.grammar
-        g.fill_rows(bits, start, d)
+        if d:
+            g.fill_rows(bits, start, d)
         allowed = seq.params.allowed_token_ids
         if allowed is not None:
             for j in range(len(d) + 1):

@@ -30,6 +30,24 @@ class MaskStats:
         self.seconds += seconds
 
 
+_BATCH: Any = None  # one xgrammar.BatchGrammarMatcher: its thread pool fills many rows at once
+
+
+def fill_first_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """bitmask[rows[i]] = the mask of grammars[i] as it stands (no drafts), all requests in one
+    call that xgrammar spreads over its threads: at 64 requests one at a time costs ~12 us a
+    row on one core, on the critical path of every step."""
+    global _BATCH
+    if len(grammars) == 1:
+        grammars[0].m.fill_next_token_bitmask(bitmask, rows[0])
+        return
+    if _BATCH is None:
+        import xgrammar
+
+        _BATCH = xgrammar.BatchGrammarMatcher("auto")
+    _BATCH.batch_fill_next_token_bitmask([g.m for g in grammars], bitmask, rows)
+
+
 class GrammarRejected(ValueError):
     """A token the grammar does not allow reached the ledger (a bug, or a request whose other
     bans left its mask empty): the request ends alone."""

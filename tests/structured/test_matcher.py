@@ -116,3 +116,30 @@ def test_bitmask_unpacks_to_the_allowed_tokens(vocab):
     for r, row in zip(range(3), (1, 3, 4)):
         keep = torch.isfinite(out[row]).nonzero().flatten().tolist()
         assert keep == allowed[r] and torch.equal(out[row, keep], logits[row, keep])
+
+
+def test_batched_first_rows_equal_one_at_a_time(backend, tok):
+    """grammar_bitmask fills the rows of requests without drafts in one multithreaded xgrammar
+    call: the same bits as each matcher alone, in the rows the layout gives them."""
+    from specserve.runner.logits_plan import grammar_bitmask
+
+    text_ids = tok.encode('{"k": "cd", "n": 7}', add_special_tokens=False)
+    grammars = []
+    for n in range(6):  # requests at different points of the same schema
+        g = backend.matcher(_spec())
+        for t in text_ids[:n]:
+            g.advance(t)
+        grammars.append(g)
+    seqs = [
+        SimpleNamespace(grammar=g, params=SimpleNamespace(allowed_token_ids=None)) for g in grammars
+    ]
+    drafts = [[], text_ids[2:4], [], [], text_ids[4:5], []]
+    starts, row = [], 0
+    for d in drafts:
+        starts.append(row)
+        row += len(d) + 1
+    bits = grammar_bitmask(list(zip(seqs, drafts, starts)))
+    for g, d, start in zip(grammars, drafts, starts):
+        want = torch.zeros(len(d) + 1, backend.bitmask_width, dtype=torch.int32)
+        g.fill_rows(want, 0, d)
+        assert torch.equal(bits[start : start + len(d) + 1], want)
