@@ -2,10 +2,11 @@
 # Regenerates benchmarks/h200/ on one NVIDIA H200. Each part fits one 10-minute device command:
 #   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, ignored by git)
 #   on the GPU: bash benchmarks/h200.sh PART      with .devcarry carried; results land in $OUT
-#   the real default model: python tools/devcarry.py --gguf-halves, then carry .devcarry-gguf1 in
-#   one call and .devcarry-gguf2 in the next (back to back, while the machine is warm)
-# PART: tests | decode | sweep05 | sweep08 | curve | idle | profile | train-head | eagle | structured
-#   (default: decode)
+#   the real default model: python tools/devcarry.py --gguf-halves, then `h200.sh gguf1` carrying
+#   .devcarry-gguf1 and `h200.sh gguf2` carrying .devcarry-gguf2, back to back while the machine
+#   is warm (a carried path is gone in the next call unless carried again; /tmp stays)
+# PART: tests | decode | sweep05 | sweep08 | curve | idle | profile | gguf1 | gguf2 | train-head |
+#   eagle | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -19,12 +20,13 @@ if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
-join_gguf() {  # the default model's GGUF from its two carried halves
+join_gguf() {  # the default model's GGUF from the halves the gguf1 / gguf2 calls left in /tmp
   local m=.devcarry/cache/models
   mkdir -p $m
-  [ -f $m/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat .devcarry-gguf1/*.part1 .devcarry-gguf2/*.part2 > $m/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat /tmp/gguf/*.part1 /tmp/gguf/*.part2 > $m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
-HEAD=.devcarry/train/head
+TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
+HEAD=$TRAIN/head
 EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency 1,16 --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats 5 --interleave --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
   tests)  # the GPU test suite (~6 min)
@@ -43,17 +45,18 @@ case ${1:-decode} in
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
-  train-head)  # the default model's EAGLE-3 head, trained on its own answers (~9 min)
+  gguf1|gguf2) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
+  train-head)  # the default model's EAGLE-3 head, trained on its own answers (~7 min)
     join_gguf
-    $S train-head --out .devcarry/train --num-prompts 5000 --max-num-seqs 256 --train-seconds 240 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --no-progress
-    cp .devcarry/train/report.json "$OUT/train_head_report.json"; cp .devcarry/train/train_log.jsonl "$OUT/"
+    $S train-head --out $TRAIN --num-prompts 5000 --max-num-seqs 256 --train-seconds 240 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --no-progress
+    cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
     (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.") ;;
   eagle)  # the trained head against no speculation, held-out chat and HumanEval prompts
-    join_gguf
-    $S $EAGLE --draft-model ${EAGLE_HEAD:-$HEAD} --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
-    $S $EAGLE --draft-model ${EAGLE_HEAD:-$HEAD} --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
+    join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
+    $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
+    $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
   structured)  # grammar-mask cost at 64 requests
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     $S bench structured --model dummy:smollm2-135m --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 4 --json "$OUT/structured_smollm2.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | curve | idle | profile | train-head | eagle | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | curve | idle | profile | gguf1 | gguf2 | train-head | eagle | structured)" >&2; exit 2 ;;
 esac

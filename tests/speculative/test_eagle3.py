@@ -330,10 +330,17 @@ def test_sampling_with_eagle3_runs_seeded_and_reproducibly(target, prompts, head
     assert a == b and all(len(x) == 10 for x in a)
 
 
-def test_eagle3_without_a_model_names_the_field():
+def test_eagle3_without_a_model_names_the_field(tiny_llama_dir):
+    """No head named: only the default model has one shipped; any other target is an error
+    naming the field, before anything loads."""
+    from specserve.config import EngineConfig
+
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    assert SpeculativeConfig.parse(spec).model is None
     with pytest.raises(InvalidRequestError, match=r"speculative_config\.model") as e:
-        SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 3})
+        EngineConfig(model=str(tiny_llama_dir), speculative_config=spec)
     assert e.value.param == "speculative_config.model"
+    assert EngineConfig(speculative_config=spec).speculative_config.model is None
     cfg = SpeculativeConfig.parse(
         '{"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}'
     )
