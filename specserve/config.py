@@ -87,7 +87,7 @@ class EngineConfig:
     trust_remote_code: bool = False  # accepted for vLLM scripts; no remote code ever runs
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
-    tensor_parallel_size: int = 1  # only 1: one device per engine
+    tensor_parallel_size: int = 1  # ranks (processes, devices) one model is split over
     quantization: str | None = None  # only None: weights run in `dtype`
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
@@ -122,12 +122,25 @@ class EngineConfig:
         def bad(msg: str, param: str) -> None:
             raise InvalidRequestError(msg, param)
 
-        if self.tensor_parallel_size != 1:
-            bad(
-                f"tensor_parallel_size > 1 is not supported yet (got {self.tensor_parallel_size}):"
-                " specserve runs one model on one device",
-                "tensor_parallel_size",
-            )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            bad(f"tensor_parallel_size must be an integer >= 1, got {tp!r}", "tensor_parallel_size")
+        spec = self.speculative_config
+        if tp > 1 and spec is not None:
+            # these drafters run the target's own (sharded) modules on rank 0 alone
+            if spec.method == "eagle3":
+                bad(
+                    "speculative method 'eagle3' is not supported with tensor_parallel_size > 1 "
+                    "yet (the head shares the target's embedding); use 'ngram' or a separate "
+                    "'draft_model'",
+                    "speculative_config",
+                )
+            if spec.method == "draft_model" and spec.model in ("self", "target", self.model):
+                bad(
+                    "a draft_model that is the target itself is not supported with "
+                    "tensor_parallel_size > 1; use a separate draft model or 'ngram'",
+                    "speculative_config",
+                )
         if self.quantization is not None:
             bad(
                 f"quantization={self.quantization!r} is not supported: weights run in dtype "

@@ -1,0 +1,253 @@
+"""Rank 0's side of tensor parallelism: start the workers, shard the model, watch the workers.
+
+Rank 0 is the engine's own process: it keeps the scheduler, the ledger, the sampler and any
+drafter, and runs its shard of every forward; ranks 1 .. tp-1 are processes it spawns itself
+(torch.multiprocessing, spawn: no torchrun). The model is loaded once, on rank 0's host memory,
+and each worker gets its slices down its pipe: no loader runs twice, a GGUF cache is written
+once, dummy weights are the same on every rank, and the full model never has to fit one GPU
+(only the host). Device per rank: the CPU (gloo), or cuda:base + rank (NCCL).
+
+A worker that dies is found before the next step is sent (its exit status) or by the collective
+it leaves hanging (gloo reports the closed peer at once; every collective also has a timeout,
+$SPECSERVE_TP_TIMEOUT): either way rank 0 raises TensorParallelError naming it, and the engine
+stops. Shutdown stops the workers, and so does rank 0's exit (their pipe closes).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing.connection as mpc
+import signal
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve import env
+from specserve.distributed.errors import TensorParallelError
+from specserve.distributed.group import TPGroup, make_store
+from specserve.distributed.layers import build_shard, shard_state
+from specserve.distributed.plan import ShardPlan
+from specserve.distributed.runner import TPModelRunner
+from specserve.distributed.worker import worker_main
+from specserve.model.config import ModelConfig
+from specserve.sampling_params import InvalidRequestError
+
+log = logging.getLogger("specserve.distributed")
+
+
+def rank_devices(device: torch.device, tp: int) -> list[torch.device]:
+    if device.type != "cuda":
+        return [device] * tp
+    base = device.index or 0
+    count = torch.cuda.device_count()
+    if base + tp > count:
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} on {device} needs cuda:{base}..cuda:{base + tp - 1}, "
+            f"but {count} CUDA device(s) are visible",
+            "tensor_parallel_size",
+        )
+    return [torch.device("cuda", base + r) for r in range(tp)]
+
+
+class TensorParallel:
+    def __init__(self, tp: int, device: torch.device) -> None:
+        self.world_size = tp
+        self.devices = rank_devices(device, tp)
+        self.timeout_s = env.settings.tp_timeout
+        self.plan: ShardPlan | None = None
+        self.group: TPGroup | None = None
+        self._store = make_store(0, 0, tp, self.timeout_s)
+        ctx = torch.multiprocessing.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // tp)
+        self.procs: list[Any] = []
+        self.conns: list[mpc.Connection] = []
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        for rank in range(1, tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(
+                    rank,
+                    tp,
+                    self._store.port,
+                    child,
+                    str(self.devices[rank]),
+                    self.timeout_s,
+                    threads,
+                ),
+                name=f"specserve-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    @property
+    def load_device(self) -> torch.device:
+        """Where rank 0 loads the full model before slicing it (host memory)."""
+        return torch.device("cpu")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -- start-up ---------------------------------------------------------------------------
+    def shard(self, full: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+        """Send each worker its slices of the loaded full model; return rank 0's shard."""
+        self.plan = plan = ShardPlan.build(cfg, self.world_size)
+        state = {k: v.detach() for k, v in full.state_dict().items()}
+        names = list(state)
+        for conn in self.conns:
+            self._send(conn, ("load", cfg, plan, dtype, names))
+        self.group = TPGroup.create(
+            self._store, 0, self.world_size, self.devices[0], self.timeout_s
+        )
+        self.group.on_failure = self.failure
+        for rank, conn in enumerate(self.conns, start=1):
+            part = shard_state(state, cfg, plan, rank)
+            for name in names:
+                t = part[name].contiguous().view(-1).view(torch.uint8)
+                self._guard(functools.partial(conn.send_bytes, t.numpy()))
+            del part
+        model = build_shard(cfg, plan, 0, self.group, dtype, self.devices[0])
+        own = shard_state(state, cfg, plan, 0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(own[name])
+        self._wait_ok()
+        return model
+
+    def runner(
+        self,
+        model: nn.Module,
+        num_layers: int,
+        num_kv_heads: int,  # the model's; each rank holds its own (plan.py)
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int = 256,
+    ) -> TPModelRunner:
+        """ModelRunner(...)'s arguments: the runner of every rank, rank 0's returned."""
+        for rank, conn in enumerate(self.conns, start=1):
+            kv = self.plan.ranks[rank].num_kv_heads
+            spec = (num_layers, kv, head_dim, num_blocks, block_size, dtype)
+            self._send(conn, ("runner", spec, {"max_num_seqs": max_num_seqs}))
+        self._wait_ok()
+        kv = self.plan.ranks[0].num_kv_heads
+        return TPModelRunner(
+            self,
+            model,
+            num_layers,
+            kv,
+            head_dim,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+            max_num_seqs,
+        )
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for proc, conn in zip(self.procs, self.conns):
+            left = deadline - time.monotonic()
+            ready = mpc.wait([conn, proc.sentinel], timeout=max(0.0, left))
+            if conn in ready:
+                msg = self._guard(conn.recv)
+                if msg[0] == "ok":
+                    continue
+            raise self.failure(None)
+
+    # -- steps ------------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        """To every worker, in order; a dead worker raises TensorParallelError first."""
+        self.check_alive()
+        for conn in self.conns:
+            self._send(conn, msg)
+
+    def _send(self, conn: mpc.Connection, msg: Any) -> None:
+        self._guard(lambda: conn.send(msg))
+
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except (OSError, EOFError) as e:
+            raise self.failure(e) from e
+
+    def check_alive(self) -> None:
+        if any(p.exitcode is not None for p in self.procs):
+            raise self.failure(None)
+
+    def failure(self, exc: BaseException | None) -> TensorParallelError:
+        """The error that ends the engine: which worker ended and why (its own report when it
+        sent one), else the failed collective itself."""
+        # a collective can fail a moment before the peer's exit is visible
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and all(p.exitcode is None for p in self.procs):
+            time.sleep(0.02)
+        parts = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            report = None
+            try:
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] == "error":
+                        report = msg[1]
+            except (OSError, EOFError):
+                pass
+            code = proc.exitcode
+            if report is not None:
+                parts.append(f"rank {rank} (pid {proc.pid}) failed: {report}")
+            elif code is not None:
+                parts.append(f"rank {rank} (pid {proc.pid}) {_describe_exit(code)}")
+        if not parts:
+            parts.append(f"a collective failed: {exc}")
+        return TensorParallelError(
+            "tensor-parallel worker "
+            + "; ".join(parts)
+            + ". The engine cannot continue; start a new one."
+        )
+
+    # -- shutdown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent). Also runs when this object is collected and at exit."""
+        self._finalizer()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop_workers(procs: list[Any], conns: list[mpc.Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except Exception:
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            log.warning("tensor-parallel worker pid %s did not stop; killing it", proc.pid)
+            proc.kill()
+            proc.join(5.0)
+    for conn in conns:
+        conn.close()
+
+
+def start_tensor_parallel(tp: int, device: torch.device) -> TensorParallel | None:
+    """The workers of a tensor_parallel_size=tp engine, started now (they import while rank 0
+    loads the model); None for tp == 1."""
+    return None if tp == 1 else TensorParallel(tp, device)
