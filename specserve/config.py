@@ -179,7 +179,7 @@ class EngineConfig:
                 _unchunked_msg(self.max_num_batched_tokens, self.max_model_len),
                 "max_num_batched_tokens",
             )
-        _check_device(self.device)
+        _check_device(self.device, self.tensor_parallel_size)
 
     def step_token_budget(self, device_type: str, max_model_len: int) -> int:
         """Rows one step may hold (before the engine's floor of one decode row per request).
@@ -227,7 +227,7 @@ def _normalize_dtype(dtype: Any) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def _check_device(device: str) -> None:
+def _check_device(device: str, tp: int = 1) -> None:
     kind, _, index = device.partition(":")
     if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
         raise InvalidRequestError(
@@ -249,4 +249,10 @@ def _check_device(device: str) -> None:
             f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA "
             "device(s) are visible",
             "device",
+        )
+    if int(index or 0) + tp > torch.cuda.device_count():
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} on {device} needs {tp} GPUs from cuda:{index or 0} on, "
+            f"but only {torch.cuda.device_count()} CUDA device(s) are visible",
+            "tensor_parallel_size",
         )
