@@ -155,3 +155,24 @@ def test_rank0_holds_a_shard(tiny_tp2: LLM, tiny_tp1: LLM) -> None:
     assert _params_of(tiny_tp2) < 0.7 * _params_of(tiny_tp1)
     kv = tiny_tp2.engine.runner.kv_caches[0].k.shape[2]
     assert kv == 2  # rank 0's 2 of the 3 KV heads
+
+
+def test_served_at_tp2(tiny_tp2: LLM, tiny_tp1: LLM) -> None:
+    httpx = pytest.importorskip("httpx")
+    from specserve.server.launch import ServerThread
+
+    want = tiny_tp1.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    server = ServerThread(tiny_tp2.engine).start()
+    try:
+        body = {
+            "model": tiny_tp2.model_name,
+            "prompt": PROMPTS[0],
+            "max_tokens": GREEDY.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        server.stop()
