@@ -127,14 +127,7 @@ class EngineConfig:
             bad(f"tensor_parallel_size must be an integer >= 1, got {tp!r}", "tensor_parallel_size")
         spec = self.speculative_config
         if tp > 1 and spec is not None:
-            # these drafters run the target's own (sharded) modules on rank 0 alone
-            if spec.method == "eagle3":
-                bad(
-                    "speculative method 'eagle3' is not supported with tensor_parallel_size > 1 "
-                    "yet (the head shares the target's embedding); use 'ngram' or a separate "
-                    "'draft_model'",
-                    "speculative_config",
-                )
+            # drafters run on rank 0 alone: not with the target's own (sharded) model
             if spec.method == "draft_model" and spec.model in ("self", "target", self.model):
                 bad(
                     "a draft_model that is the target itself is not supported with "

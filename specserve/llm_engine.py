@@ -98,7 +98,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # tensor parallelism: workers start now; the model loads on the host, then is sharded
-        self.tp = start_tensor_parallel(config.tensor_parallel_size, self.device)
+        self.tp = start_tensor_parallel(config, self.device)
         device = self.tp.load_device if self.tp else self.device
         loaded = load_model(
             config.model, self.dtype, device, progress, config.tokenizer, config.revision

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from specserve import env
+from specserve.config import EngineConfig
 from specserve.distributed.errors import TensorParallelError
 from specserve.distributed.group import TPGroup, make_store
 from specserve.distributed.layers import build_shard, shard_state
@@ -54,8 +55,9 @@ def rank_devices(device: torch.device, tp: int) -> list[torch.device]:
 
 
 class TensorParallel:
-    def __init__(self, tp: int, device: torch.device) -> None:
+    def __init__(self, tp: int, device: torch.device, keep_embedding: bool = False) -> None:
         self.world_size = tp
+        self.keep_embedding = keep_embedding  # rank 0 keeps the full embedding (EAGLE-3 head)
         self.devices = rank_devices(device, tp)
         self.timeout_s = env.settings.tp_timeout
         self.plan: ShardPlan | None = None
@@ -124,6 +126,8 @@ class TensorParallel:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(own[name])
+        if self.keep_embedding:
+            model.embed_tokens.full_weight = state["embed_tokens.weight"]
         self._wait_ok()
         return model
 
@@ -252,7 +256,10 @@ def _stop_workers(procs: list[Any], conns: list[mpc.Connection]) -> None:
         conn.close()
 
 
-def start_tensor_parallel(tp: int, device: torch.device) -> TensorParallel | None:
-    """The workers of a tensor_parallel_size=tp engine, started now (they import while rank 0
-    loads the model); None for tp == 1."""
-    return None if tp == 1 else TensorParallel(tp, device)
+def start_tensor_parallel(config: EngineConfig, device: torch.device) -> TensorParallel | None:
+    """The workers of the engine, started now (they import while rank 0 loads the model); None
+    for tensor_parallel_size 1."""
+    tp, spec = config.tensor_parallel_size, config.speculative_config
+    if tp == 1:
+        return None
+    return TensorParallel(tp, device, keep_embedding=spec is not None and spec.method == "eagle3")

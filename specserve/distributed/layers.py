@@ -48,6 +48,20 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(part, hidden))
         self.start = start
         self.group = group
+        # rank 0, when a drafter on rank 0 alone embeds tokens (EAGLE-3): the whole table, on
+        # the host until asked for (not a parameter: the shard's state stays the shard)
+        self.full_weight: torch.Tensor | None = None
+        self._replicated: nn.Embedding | None = None
+
+    def replicated(self) -> nn.Embedding:
+        """A plain embedding of the whole vocabulary on this rank's device (no collective)."""
+        if self._replicated is None:
+            if self.full_weight is None:
+                raise RuntimeError("this rank keeps no full embedding")
+            w = self.full_weight.to(self.weight.device, self.weight.dtype)
+            self._replicated = nn.Embedding(w.shape[0], w.shape[1], _weight=w).requires_grad_(False)
+            self.full_weight = None
+        return self._replicated
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         local = ids - self.start
