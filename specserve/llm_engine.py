@@ -543,6 +543,8 @@ class LLMEngine:
         if self.step_timer is not None:
             self.step_timer.flush()  # the budget's bookkeeping, while the device runs the step
         host = launched.sampled.wait() if launched.sampled is not None else None
+        if self.tp:
+            self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
         if self.step_timer is not None:

@@ -19,6 +19,7 @@ import functools
 import logging
 import multiprocessing.connection as mpc
 import signal
+import threading
 import time
 import weakref
 from typing import Any
@@ -115,6 +116,7 @@ class TensorParallel:
             self._store, 0, self.world_size, self.devices[0], self.timeout_s
         )
         self.group.on_failure = self.failure
+        self._start_watchdog()
         for rank, conn in enumerate(self.conns, start=1):
             part = shard_state(state, cfg, plan, rank)
             for name in names:
@@ -173,6 +175,22 @@ class TensorParallel:
                 if msg[0] == "ok":
                     continue
             raise self.failure(None)
+
+    def _start_watchdog(self) -> None:
+        """CUDA: a dead peer leaves NCCL kernels spinning, and rank 0's next host sync would
+        wait on them until the NCCL timeout; a thread watching the workers aborts the
+        communicator at once, and check_alive (after each step's readback) raises."""
+        if self.devices[0].type != "cuda":
+            return  # gloo reports a closed peer by itself
+        stop_r, stop_w = torch.multiprocessing.get_context("spawn").Pipe(duplex=False)
+        self._watch_stop.append(stop_w)
+        sentinels = [p.sentinel for p in self.procs]
+        threading.Thread(
+            target=_watchdog,
+            args=(sentinels, stop_r, self.group.pg),
+            name="specserve-tp-watchdog",
+            daemon=True,
+        ).start()
 
     # -- steps ------------------------------------------------------------------------------
     def send(self, msg: Any) -> None:
@@ -239,7 +257,22 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _stop_workers(procs: list[Any], conns: list[mpc.Connection]) -> None:
+def _watchdog(sentinels: list[int], stop: mpc.Connection, pg: Any) -> None:
+    ready = mpc.wait([stop, *sentinels])
+    if stop in ready:
+        return  # shutdown
+    log.error("a tensor-parallel worker died: aborting the NCCL communicator")
+    try:
+        pg.abort()
+    except Exception:
+        log.exception("aborting the NCCL communicator failed")
+
+
+def _stop_workers(
+    procs: list[Any], conns: list[mpc.Connection], watch_stop: list[mpc.Connection]
+) -> None:
+    for conn in watch_stop:
+        conn.close()
     for conn in conns:
         try:
             conn.send(("stop",))

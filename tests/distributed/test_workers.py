@@ -66,3 +66,30 @@ def test_workers_exit_when_rank0_is_killed(uneven_llama_dir: Path, tmp_path: Pat
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1
     assert wait_gone(pids, 15) == [], "a worker outlived its killed engine"
+
+
+class _FakePG:
+    aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+@pytest.mark.parametrize("event", ["worker_dies", "shutdown"])
+def test_watchdog_aborts_the_group_only_when_a_worker_dies(event: str) -> None:
+    import multiprocessing as mp
+    import threading
+
+    from specserve.distributed.launcher import _watchdog
+
+    worker_r, worker_w = mp.Pipe(duplex=False)  # stands in for a worker's exit sentinel
+    stop_r, stop_w = mp.Pipe(duplex=False)
+    pg = _FakePG()
+    t = threading.Thread(target=_watchdog, args=([worker_r.fileno()], stop_r, pg))
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive() and pg.aborted == 0
+    (worker_w if event == "worker_dies" else stop_w).close()
+    t.join(5)
+    assert not t.is_alive()
+    assert pg.aborted == (event == "worker_dies")
