@@ -73,7 +73,10 @@ class TensorParallel:
             torch.set_num_threads(threads)
         self.procs: list[Any] = []
         self.conns: list[mpc.Connection] = []
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        self._watch_stop: list[mpc.Connection] = []  # closing it ends the watchdog thread
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self.procs, self.conns, self._watch_stop
+        )
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
