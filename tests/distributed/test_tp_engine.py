@@ -24,17 +24,21 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
+# small steps: the longer prompts are prefilled in chunks
+TINY = {**ENGINE, "max_num_seqs": 4, "max_num_batched_tokens": 8}
+
+
 @pytest.fixture(scope="module")
 def tiny_tp2(uneven_llama_dir: Path):
     # overlap on: the CPU worker thread runs rank 0's forwards, next tokens broadcast
-    llm = LLM(str(uneven_llama_dir), tensor_parallel_size=2, overlap=True, **ENGINE)
+    llm = LLM(str(uneven_llama_dir), tensor_parallel_size=2, overlap=True, **TINY)
     yield llm
     close(llm)
 
 
 @pytest.fixture(scope="module")
 def tiny_tp1(uneven_llama_dir: Path):
-    return LLM(str(uneven_llama_dir), **ENGINE)
+    return LLM(str(uneven_llama_dir), **TINY)
 
 
 @pytest.fixture(scope="module")
