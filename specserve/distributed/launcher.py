@@ -115,6 +115,8 @@ class TensorParallel:
         names = list(state)
         for conn in self.conns:
             self._send(conn, ("load", cfg, plan, dtype, names))
+        # a worker that failed to start is reported now, not after the rendezvous' timeout
+        self._wait_ok()
         self.group = TPGroup.create(
             self._store, 0, self.world_size, self.devices[0], self.timeout_s
         )

@@ -63,6 +63,7 @@ def _serve(
     store = make_store(rank, port, world_size, timeout_s)
     kind, cfg, plan, dtype, names = conn.recv()
     assert kind == "load"
+    conn.send(("ok",))  # alive and on its device: rank 0 may block in the rendezvous now
     group = TPGroup.create(store, rank, world_size, device, timeout_s)
     model = build_shard(cfg, plan, rank, group, dtype, device)
     params = dict(model.named_parameters())

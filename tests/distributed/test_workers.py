@@ -42,6 +42,18 @@ def test_killed_worker_is_a_clear_error_not_a_hang(uneven_llama_dir: Path) -> No
         close(llm)
 
 
+def test_a_failing_worker_reports_its_error() -> None:
+    llm = LLM("dummy:tiny", tensor_parallel_size=2, **ENGINE)
+    try:
+        llm.engine.tp.send(("no such command",))  # the worker raises on it, reports, exits
+        with pytest.raises(TensorParallelError) as e:
+            llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert "rank 1" in str(e.value)
+        assert "RuntimeError: unknown tensor-parallel command 'no such command'" in str(e.value)
+    finally:
+        close(llm)
+
+
 def test_workers_exit_when_rank0_is_killed(uneven_llama_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "rank0.py"
     script.write_text(
