@@ -34,3 +34,32 @@ def test_generate_runs_at_tp2(capsys: pytest.CaptureFixture[str]) -> None:
 
     gc.collect()
     assert multiprocessing.active_children() == []
+
+
+def test_server_engine_thread_ends_on_a_worker_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead worker is not one failed batch: the engine thread stops and reports unhealthy
+    (the server's /health turns 503) instead of failing each new request forever."""
+    pytest.importorskip("fastapi")
+    import time
+
+    from specserve import LLM, SamplingParams
+    from specserve.distributed import TensorParallelError
+    from specserve.server.async_engine import AsyncEngine
+
+    eng = LLM("dummy:tiny", device="cpu", dtype="float32", progress=False).engine
+
+    def dead_step() -> list:
+        raise TensorParallelError("tensor-parallel worker rank 1 (pid 1) was killed by SIGKILL")
+
+    monkeypatch.setattr(eng, "step", dead_step)
+    client = AsyncEngine(eng)
+    try:
+        assert client.alive
+        client.call_sync(lambda e: e.add_request("hi", SamplingParams(max_tokens=4)), timeout=30)
+        deadline = time.monotonic() + 10
+        while client.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not client.alive
+        assert isinstance(client.dead, TensorParallelError)
+    finally:
+        client.shutdown()
