@@ -66,16 +66,18 @@ class TensorParallel:
         self._store = make_store(0, 0, tp, self.timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
         threads = max(1, torch.get_num_threads() // tp)
+        restore: list[int] = []  # rank 0's thread count before, set back at shutdown
         if self.devices[0].type == "cpu":
             # every rank gets its share of the cores: with rank 0 keeping them all, its idle
             # OpenMP threads spin on the cores its workers need, and each all-reduce waits
             # (measured: 2.4x slower decoding at TP=2 on 2 cores)
+            restore.append(torch.get_num_threads())
             torch.set_num_threads(threads)
         self.procs: list[Any] = []
         self.conns: list[mpc.Connection] = []
         self._watch_stop: list[mpc.Connection] = []  # closing it ends the watchdog thread
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self.procs, self.conns, self._watch_stop
+            self, _stop_workers, self.procs, self.conns, self._watch_stop, restore
         )
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
@@ -274,10 +276,15 @@ def _watchdog(sentinels: list[int], stop: mpc.Connection, pg: Any) -> None:
 
 
 def _stop_workers(
-    procs: list[Any], conns: list[mpc.Connection], watch_stop: list[mpc.Connection]
+    procs: list[Any],
+    conns: list[mpc.Connection],
+    watch_stop: list[mpc.Connection],
+    restore_threads: list[int],
 ) -> None:
     for conn in watch_stop:
         conn.close()
+    for n in restore_threads:
+        torch.set_num_threads(n)
     for conn in conns:
         try:
             conn.send(("stop",))

@@ -43,6 +43,9 @@ def test_killed_worker_is_a_clear_error_not_a_hang(uneven_llama_dir: Path) -> No
 
 
 def test_a_failing_worker_reports_its_error() -> None:
+    import torch
+
+    threads = torch.get_num_threads()
     llm = LLM("dummy:tiny", tensor_parallel_size=2, **ENGINE)
     try:
         llm.engine.tp.send(("no such command",))  # the worker raises on it, reports, exits
@@ -52,6 +55,7 @@ def test_a_failing_worker_reports_its_error() -> None:
         assert "RuntimeError: unknown tensor-parallel command 'no such command'" in str(e.value)
     finally:
         close(llm)
+    assert torch.get_num_threads() == threads  # rank 0's share of the cores is given back
 
 
 def test_workers_exit_when_rank0_is_killed(uneven_llama_dir: Path, tmp_path: Path) -> None:
