@@ -111,7 +111,15 @@ class TensorParallel:
 
     # -- start-up ---------------------------------------------------------------------------
     def shard(self, full: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
-        """Send each worker its slices of the loaded full model; return rank 0's shard."""
+        """Send each worker its slices of the loaded full model; return rank 0's shard. On any
+        failure (sizes that cannot be split included) the workers are stopped first."""
+        try:
+            return self._shard(full, cfg, dtype)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _shard(self, full: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
         self.plan = plan = ShardPlan.build(cfg, self.world_size)
         state = {k: v.detach() for k, v in full.state_dict().items()}
         names = list(state)

@@ -61,8 +61,10 @@ def _serve(
     else:
         torch.cuda.set_device(device)
     store = make_store(rank, port, world_size, timeout_s)
-    kind, cfg, plan, dtype, names = conn.recv()
-    assert kind == "load"
+    msg = conn.recv()
+    if msg[0] == "stop":  # rank 0 gave up before sharding (e.g. sizes it cannot split)
+        return
+    _, cfg, plan, dtype, names = msg
     conn.send(("ok",))  # alive and on its device: rank 0 may block in the rendezvous now
     group = TPGroup.create(store, rank, world_size, device, timeout_s)
     model = build_shard(cfg, plan, rank, group, dtype, device)
