@@ -62,6 +62,8 @@ class TensorParallel:
         self.devices = rank_devices(device, tp)
         self.timeout_s = env.settings.tp_timeout
         self.plan: ShardPlan | None = None
+        self._lock = threading.Lock()
+        self._error: str | None = None  # set once the engine has failed
         self.group: TPGroup | None = None
         self._store = make_store(0, 0, tp, self.timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -224,12 +226,19 @@ class TensorParallel:
             raise self.failure(e) from e
 
     def check_alive(self) -> None:
-        if any(p.exitcode is not None for p in self.procs):
+        if self._error is not None or any(p.exitcode is not None for p in self.procs):
             raise self.failure(None)
 
     def failure(self, exc: BaseException | None) -> TensorParallelError:
         """The error that ends the engine: which worker ended and why (its own report when it
-        sent one), else the failed collective itself."""
+        sent one), else the failed collective itself. Decided once (threads may ask at the same
+        time: the CPU overlap thread and the engine's): every later step raises it again."""
+        with self._lock:
+            if self._error is None:
+                self._error = self._diagnose(exc)
+            return TensorParallelError(self._error)
+
+    def _diagnose(self, exc: BaseException | None) -> str:
         # a collective can fail a moment before the peer's exit is visible
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and all(p.exitcode is None for p in self.procs):
@@ -251,7 +260,7 @@ class TensorParallel:
                 parts.append(f"rank {rank} (pid {proc.pid}) {_describe_exit(code)}")
         if not parts:
             parts.append(f"a collective failed: {exc}")
-        return TensorParallelError(
+        return (
             "tensor-parallel worker "
             + "; ".join(parts)
             + ". The engine cannot continue; start a new one."
