@@ -177,3 +177,26 @@ def test_served_at_tp2(tiny_tp2: LLM, tiny_tp1: LLM) -> None:
         assert r.json()["choices"][0]["text"] == want
     finally:
         server.stop()
+
+
+def _flat(entries: list) -> list[tuple[int, float, int | None]]:
+    return [(t, lp.logprob, lp.rank) for e in entries if e for t, lp in sorted(e.items())]
+
+
+def test_logprobs_and_prompt_logprobs_equal_tp1(tiny_tp2: LLM, tiny_tp1: LLM) -> None:
+    """Prompt rows are scored on every rank's lm_head shard (the workers replay the same
+    gathers; PROMPTS[1] takes several chunks), sampled-token logprobs on rank 0."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    (want,) = tiny_tp1.generate(PROMPTS[1], params, use_tqdm=False)
+    (got,) = tiny_tp2.generate(PROMPTS[1], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for g, w in (
+        (got.prompt_logprobs, want.prompt_logprobs),
+        (got.outputs[0].logprobs, want.outputs[0].logprobs),
+    ):
+        fg, fw = _flat(g), _flat(w)
+        assert len(fg) == len(fw) > 0
+        assert [(t, r) for t, _, r in fg] == [(t, r) for t, _, r in fw]
+        assert [lp for _, lp, _ in fg] == pytest.approx([lp for _, lp, _ in fw], abs=1e-4)
