@@ -216,6 +216,12 @@ class TensorParallel:
         for conn in self.conns:
             self._send(conn, msg)
 
+    def send_bytes(self, blob: bytes) -> None:
+        """A message pickled already (`send` of what it unpickles to)."""
+        self.check_alive()
+        for conn in self.conns:
+            self._guard(functools.partial(conn.send_bytes, blob))
+
     def _send(self, conn: mpc.Connection, msg: Any) -> None:
         self._guard(lambda: conn.send(msg))
 

@@ -11,6 +11,7 @@ rank 0's `next_tokens` before the forward: the host never waits for them.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -52,7 +53,8 @@ class StepMessage:
 
 class TPStep(NamedTuple):
     local: StepInputs | BucketStep  # rank 0's own inputs
-    message: StepMessage
+    message: bytes  # ("step", StepMessage), pickled when the step was prepared
+    pending: bool  # the step reads next_tokens (broadcast before the forward)
 
 
 class TPModelRunner(ModelRunner):
@@ -92,13 +94,17 @@ class TPModelRunner(ModelRunner):
         spec = None
         if prompt is not None:
             spec = (prompt.rows.tolist(), prompt.targets.tolist(), prompt.num_top)
-        return TPStep(local, StepMessage(rows, starts, tables, num_logits, pending, spec))
+        # pickled now: the lists are the requests' own (block tables), and under overlap the
+        # ledger changes them while this step waits for its forward
+        msg = StepMessage(rows, starts, tables, num_logits, pending, spec)
+        blob = pickle.dumps(("step", msg), protocol=pickle.HIGHEST_PROTOCOL)
+        return TPStep(local, blob, pending is not None)
 
     @torch.inference_mode()
     def forward(self, inputs: TPStep) -> torch.Tensor:  # [total_q, V] fp32
         assert isinstance(inputs, TPStep), "tensor-parallel steps come from prepare_rows"
-        self.tp.send(("step", inputs.message))
-        if inputs.message.pending is not None:
+        self.tp.send_bytes(inputs.message)
+        if inputs.pending:
             self.tp.group.broadcast(self.next_tokens)
         return super().forward(inputs.local)
 
