@@ -78,8 +78,9 @@ class TensorParallel:
         self.procs: list[Any] = []
         self.conns: list[mpc.Connection] = []
         self._watch_stop: list[mpc.Connection] = []  # closing it ends the watchdog thread
+        self._nccl: list[Any] = []  # rank 0's NCCL group, aborted at shutdown
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self.procs, self.conns, self._watch_stop, restore
+            self, _stop_workers, self.procs, self.conns, self._watch_stop, restore, self._nccl
         )
         for rank in range(1, tp):
             parent, child = ctx.Pipe()
@@ -133,6 +134,8 @@ class TensorParallel:
             self._store, 0, self.world_size, self.devices[0], self.timeout_s
         )
         self.group.on_failure = self.failure
+        if self.devices[0].type == "cuda":
+            self._nccl.append(self.group.pg)
         self._start_watchdog()
         for rank, conn in enumerate(self.conns, start=1):
             part = shard_state(state, cfg, plan, rank)
@@ -303,6 +306,7 @@ def _stop_workers(
     conns: list[mpc.Connection],
     watch_stop: list[mpc.Connection],
     restore_threads: list[int],
+    nccl: list[Any],
 ) -> None:
     for conn in watch_stop:
         conn.close()
@@ -322,6 +326,14 @@ def _stop_workers(
             proc.join(5.0)
     for conn in conns:
         conn.close()
+    for pg in nccl:
+        # abort, not destroy: destroying a communicator whose collectives were captured in
+        # CUDA graphs can hang (pytorch#115388); the workers are gone, nothing is in flight
+        try:
+            pg.abort()
+        except Exception:
+            log.exception("aborting the NCCL communicator failed")
+    nccl.clear()
 
 
 def start_tensor_parallel(config: EngineConfig, device: torch.device) -> TensorParallel | None:

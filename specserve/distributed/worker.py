@@ -40,6 +40,11 @@ def worker_main(
             pass
         sys.stderr.flush()
         os._exit(1)
+    # no interpreter teardown: destroying an NCCL communicator whose collectives were captured
+    # in CUDA graphs can hang (pytorch#115388); the process has nothing left to flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(
