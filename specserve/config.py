@@ -86,7 +86,7 @@ class EngineConfig:
     trust_remote_code: bool = False  # accepted for vLLM scripts; no remote code ever runs
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
-    tensor_parallel_size: int = 1  # only 1: one device per engine
+    tensor_parallel_size: int = 1  # ranks (processes, devices) one model is split over
     quantization: str | None = None  # only None: weights run in `dtype`
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
@@ -121,12 +121,18 @@ class EngineConfig:
         def bad(msg: str, param: str) -> None:
             raise InvalidRequestError(msg, param)
 
-        if self.tensor_parallel_size != 1:
-            bad(
-                f"tensor_parallel_size > 1 is not supported yet (got {self.tensor_parallel_size}):"
-                " specserve runs one model on one device",
-                "tensor_parallel_size",
-            )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            bad(f"tensor_parallel_size must be an integer >= 1, got {tp!r}", "tensor_parallel_size")
+        spec = self.speculative_config
+        if tp > 1 and spec is not None:
+            # drafters run on rank 0 alone: not with the target's own (sharded) model
+            if spec.method == "draft_model" and spec.model in ("self", "target", self.model):
+                bad(
+                    "a draft_model that is the target itself is not supported with "
+                    "tensor_parallel_size > 1; use a separate draft model or 'ngram'",
+                    "speculative_config",
+                )
         if self.quantization is not None:
             bad(
                 f"quantization={self.quantization!r} is not supported: weights run in dtype "
@@ -172,7 +178,7 @@ class EngineConfig:
                 "folder or hub id); only the default model has a head shipped with specserve",
                 "speculative_config.model",
             )
-        _check_device(self.device)
+        _check_device(self.device, self.tensor_parallel_size)
 
     def step_token_budget(self, device_type: str, max_model_len: int) -> int:
         """Rows one step may hold (before the engine's floor of one decode row per request).
@@ -220,7 +226,7 @@ def _normalize_dtype(dtype: Any) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def _check_device(device: str) -> None:
+def _check_device(device: str, tp: int = 1) -> None:
     kind, _, index = device.partition(":")
     if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
         raise InvalidRequestError(
@@ -242,4 +248,10 @@ def _check_device(device: str) -> None:
             f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA "
             "device(s) are visible",
             "device",
+        )
+    if int(index or 0) + tp > torch.cuda.device_count():
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} on {device} needs {tp} GPUs from cuda:{index or 0} on, "
+            f"but only {torch.cuda.device_count()} CUDA device(s) are visible",
+            "tensor_parallel_size",
         )

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.config import EngineConfig
+from specserve.distributed import TensorParallelError, start_tensor_parallel
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
@@ -96,9 +97,14 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # tensor parallelism: workers start now; the model loads on the host, then is sharded
+        self.tp = start_tensor_parallel(config, self.device)
+        device = self.tp.load_device if self.tp else self.device
         loaded = load_model(
-            config.model, self.dtype, self.device, progress, config.tokenizer, config.revision
+            config.model, self.dtype, device, progress, config.tokenizer, config.revision
         )
+        if self.tp:
+            loaded.model = self.tp.shard(loaded.model, loaded.config, self.dtype)
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -134,7 +140,7 @@ class LLMEngine:
             if spec or want
             else None
         )
-        self.runner = ModelRunner(
+        self.runner = (self.tp.runner if self.tp else ModelRunner)(
             loaded.model,
             mc.num_hidden_layers,
             mc.num_key_value_heads,
@@ -221,8 +227,9 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
+        kv_heads = self.tp.plan.max_kv_heads if self.tp else mc.num_key_value_heads  # per rank
         per_block = kv_bytes_per_block(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.block_size, self.dtype
+            mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.block_size, self.dtype
         )
         if cfg.kv_cache_memory_gb is not None:
             budget = int(cfg.kv_cache_memory_gb * 2**30)
@@ -411,6 +418,8 @@ class LLMEngine:
 
     # -- fault isolation (isolation.py) -----------------------------------------------------
     def _isolate(self, seqs: list[Sequence], exc: BaseException) -> None:
+        if isinstance(exc, TensorParallelError):
+            raise exc  # a worker is gone: no request is to blame, the engine ends
         log.warning(
             "a step of %d requests failed (%s: %s); searching for the requests that caused it",
             len(seqs),
@@ -534,6 +543,8 @@ class LLMEngine:
         if self.step_timer is not None:
             self.step_timer.flush()  # the budget's bookkeeping, while the device runs the step
         host = launched.sampled.wait() if launched.sampled is not None else None
+        if self.tp:
+            self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
         if self.step_timer is not None:
@@ -561,6 +572,11 @@ class LLMEngine:
         """The caller has consumed every output handed out so far (e.g. the engine went idle):
         return them all to the pool."""
         self.pool.release_through(self.scheduler.step_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op without); the engine cannot step after."""
+        if self.tp:
+            self.tp.shutdown()
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

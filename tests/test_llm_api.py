@@ -144,7 +144,7 @@ def test_top_level_exports_import_no_torch() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"quantization": "awq"}, "quantization"),
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
@@ -164,7 +164,7 @@ def test_bad_engine_arguments_are_refused_by_name(kwargs: dict, param: str) -> N
         LLM(TINY, progress=False, **kwargs)
     assert e.value.param == param
     if param == "tensor_parallel_size":
-        assert "tensor_parallel_size > 1 is not supported yet" in str(e.value)
+        assert "tensor_parallel_size must be an integer >= 1" in str(e.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         default=1,
-        help="devices per model: only 1 (one device per engine)",
+        help="ranks one model is split over (processes started by specserve; CPU: gloo, "
+        "CUDA: one GPU each, NCCL)",
     )
     g.add_argument(
         "--quantization",

@@ -145,5 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"(max_model_len {engine.max_model_len})",
         file=sys.stderr,
     )
-    run_server(engine, opts, sock)
+    try:
+        run_server(engine, opts, sock)
+    finally:
+        engine.shutdown()  # tensor-parallel workers stop with the server
     return 0

@@ -8,7 +8,7 @@ small CPU, batch-1 decode is bound by weight bandwidth plus a fixed cost per op,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # set by an EAGLE-3 drafter or head training (aux_capture.py); None: no capture work
         self.aux_capture: AuxCapture | None = None
+        # tensor parallelism (specserve.distributed): [N, V / tp] local logits -> [N, V]
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -156,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

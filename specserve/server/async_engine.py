@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from specserve.distributed.errors import TensorParallelError
 from specserve.engine.outputs import TokenOutput
 from specserve.llm_engine import LLMEngine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
@@ -255,6 +256,8 @@ class AsyncEngine:
     def _guarded_step(self) -> list[TokenOutput] | None:
         try:
             return self.engine.step()
+        except TensorParallelError:
+            raise  # a worker is gone: the engine is over (health turns 503), not one batch
         except Exception as e:
             log.exception("engine step failed; failing the requests in its batch")
             self._recover(e)

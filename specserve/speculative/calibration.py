@@ -41,7 +41,7 @@ class StartupCalibration:
             return None
         eng = self.engine
         dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}|{shape}|k={eng.slot_pool.k}"
+        key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}|{eng.config.block_size}|eager={eng.config.enforce_eager}|{shape}|k={eng.slot_pool.k}|tp={eng.config.tensor_parallel_size}"
         return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
     def requests_for(self, rows: int, decode_shaped: bool) -> int:

@@ -44,11 +44,12 @@ class Eagle3Drafter:
         self.engine = engine
         self.k = spec.num_speculative_tokens
         target, tc = engine.target_model, engine.model_config
+        embed = target.embed_tokens
+        if hasattr(embed, "replicated"):  # tensor parallel: the head runs on rank 0 alone
+            embed = embed.replicated()  # with the whole vocabulary's embedding
         # no model named: the target is the default model (EngineConfig checks), whose head ships
         path = spec.model or default_head_path()
-        self.head: Eagle3Head = load_eagle3_head(
-            path, tc, engine.device, engine.dtype, target.embed_tokens
-        )
+        self.head: Eagle3Head = load_eagle3_head(path, tc, engine.device, engine.dtype, embed)
         hc = self.head.config
         # per-position temperatures of the confidence logits (head training's calibration):
         # c_j = sigmoid(z_j / T_j), the last temperature for positions past the list

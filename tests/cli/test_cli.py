@@ -112,7 +112,7 @@ BASE = ["--model", "dummy:tiny", "--device", "cpu"]
         (["generate", "hi", "--temperature", "-1", *BASE], ["temperature"]),
         (["generate", "hi", "--top-p", "0", *BASE], ["top_p"]),
         (["generate", "hi", "--max-tokens", "0", *BASE], ["max_tokens"]),
-        (["generate", "hi", "-tp", "2", *BASE], ["tensor_parallel_size > 1"]),
+        (["generate", "hi", "-tp", "0", *BASE], ["tensor_parallel_size must be"]),
         (["generate", "hi", "-q", "awq", *BASE], ["quantization"]),
         (["generate", "hi", "--gpu-memory-utilization", "1.5", *BASE], ["gpu_memory_utilization"]),
         (["generate", "hi", "--model", "dummy:tiny", "--device", "tpu"], ["device"]),
@@ -146,7 +146,7 @@ def test_serve_refuses_bad_engine_flags_before_loading(
     no_model_loading: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("fastapi")
-    assert main(["serve", "dummy:tiny", "--device", "cpu", "-tp", "4"]) == 2
+    assert main(["serve", "dummy:tiny", "--device", "cpu", "-tp", "0"]) == 2
     _one_error_line(capsys, "tensor_parallel_size")
 
 

@@ -92,7 +92,9 @@ def test_each_curve_is_measured_in_the_shape_of_the_steps_it_prices(tmp_path):
         return 1e-3 + 2e-3 * rows + 3e-4 * (n_req or rows)
 
     eng = SimpleNamespace(
-        config=SimpleNamespace(max_num_seqs=16, block_size=16, enforce_eager=True),
+        config=SimpleNamespace(
+            max_num_seqs=16, block_size=16, enforce_eager=True, tensor_parallel_size=1
+        ),
         max_num_batched_tokens=80,
         max_model_len=2048,
         slot_pool=SimpleNamespace(k=4),
