@@ -210,7 +210,7 @@ class LLMEngine:
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
-        self._last_readback: float | None = None  # of the last overlapped step (_time_step)
+        self._last_readback: float | None = None  # of the last step read back (_time_step)
         if self.device.type == "cuda":
             # What start-up built (model, tokenizer vocab, graphs) lives as long as the engine:
             # out of the collector's sight, a full collection mid-run walks only the requests'
@@ -345,6 +345,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self.forget(out.request_id)
+        if not self.requests:
+            self._last_readback = None  # idle until the next request: no step's period
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
@@ -529,17 +531,16 @@ class LLMEngine:
         return host
 
     def _time_step(self, launched: LaunchedStep) -> None:
-        """The verify budget's curve learns what a decode/verify step costs: a synchronous
-        one its launch-to-readback; an overlapped one queued behind its predecessor the time
-        between their readbacks (steady state). Prompt chunks cost far less per row: left out."""
+        """The verify budget's curve learns what a decode/verify step costs the run: the time
+        between its readback and the previous one, i.e. its device time plus the host work of a
+        step that overlap does not hide (ledger, drafting, scheduling). The first step after
+        the engine was idle has no such period: its launch-to-readback. Prompt chunks cost far
+        less per row: left out."""
         now = time.perf_counter()
-        last, self._last_readback = self._last_readback, now if launched.overlapped else None
-        if not launched.batch.is_decode_shaped:
-            return
-        if not launched.overlapped:
-            self.budget.observe_step(launched.batch.num_rows, now - launched.t0)
-        elif launched.behind and last is not None:
-            self.budget.observe_step(launched.batch.num_rows, now - last)
+        last, self._last_readback = self._last_readback, now
+        if launched.batch.is_decode_shaped:
+            start = last if last is not None else launched.t0
+            self.budget.observe_step(launched.batch.num_rows, now - start)
 
     def _commit(
         self, launched: LaunchedStep, host: HostStepResult | None, out_step: int, draft: bool

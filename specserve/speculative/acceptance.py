@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_RATE = 0.5  # the acceptance of a position never verified
+PRIOR_RATE = 1.0  # a position never verified: optimistic, since only verifying it teaches
 PRIOR_WEIGHT = 4.0  # pseudo-verifications behind each prior
 
 

@@ -265,8 +265,8 @@ def test_only_decode_shaped_steps_price_the_step_cost_curve(overlap):
     """A step that completes a prompt samples too, but its chunk's rows are not decode rows:
     folded into the curve, a first prefill (eager, compiling kernels: 2.5 s on the H200 where a
     decode step takes 6 ms) priced every bucket near it far too high. Only steps whose every
-    request feeds its anchor row and drafts are observed, with those rows; overlapped ones only
-    when queued behind their predecessor (steady state: the time between readbacks)."""
+    request feeds its anchor row and drafts are observed, with those rows and the time since
+    the previous readback (a whole period: device time and the host work not hidden)."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     llm = make_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
@@ -288,6 +288,24 @@ def test_only_decode_shaped_steps_price_the_step_cost_curve(overlap):
     assert all(rows in decode_rows for rows, _ in recorded)
     assert max(rows for rows, _ in recorded) < 30  # never the 30-token prompt's step
     assert any(eng.budget.curve.observed(rows) for rows, _ in recorded)
+
+
+def test_idle_time_between_runs_is_no_step_s_cost():
+    """A step costs the time since the previous readback, but not across an idle engine: the
+    caller's pause between two runs must not price the next run's first step."""
+    import time
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    eng = llm.engine
+    seen = []
+    real = eng.budget.observe_step
+    eng.budget.observe_step = lambda rows, secs: seen.append(secs) or real(rows, secs)
+    llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
+    n = len(seen)
+    time.sleep(0.5)
+    llm.generate([[7]], sp, use_tqdm=False)  # one prompt token: its first step is decode-shaped
+    assert n and len(seen) > n and max(seen) < 0.5
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():
