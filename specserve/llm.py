@@ -371,22 +371,7 @@ class LLM:
             "verify_budget_chosen_draft_rows": b.chosen_rows,
             "verify_budget_seqlens_q": b.seqlens_q(),  # query length -> requests given it
             "verify_budget_expected_accepted_tokens": b.expected_accepted,
-            "step_cost_curve": b.curve.points(),  # f(rows): without the two terms below
-            "step_cost_kv_seconds_per_token": b.curve.kv_cost,
-            "step_cost_seconds_per_request": b.curve.req_cost,
-            # overlapped plain decoding: its step-cost curve and how often it beat speculation
-            "plain_step_cost_curve": b.plain.points() if b.plain is not None else None,
-            "verify_budget_plain_chosen": b.plain_chosen,
-            "verify_budget_plain_explored": b.plain_explored,
-            "verify_budget_spec_probes": b.spec_probes,
-            "verify_budget_plain_ahead": b.plain_ahead,
-            "verify_budget_draft_seconds": b.draft_time,  # median drafter time per step
-            # host time a synchronous step adds to launch-to-readback (median; drafting in it)
-            "verify_budget_sync_overhead_seconds": b.sync_overhead,
-            # mean real / predicted period of synchronous and of overlapped plain steps
-            "verify_budget_sync_period_bias": b.sync_bias.factor,
-            "verify_budget_plain_period_bias": b.plain_bias.factor,
-            "verify_budget_trim_seconds": b.trim_time,  # median host time of one decision
+            "step_cost_curve": b.curve.points(),  # (bucket rows, seconds) as priced now
         }
 
     def get_metrics(self) -> dict[str, Any]:

@@ -31,10 +31,9 @@ from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import SampledStep, StepSampler
 from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
-from specserve.speculative.budget_policy import VerifyBudgetPolicy
 from specserve.speculative.drafter import build_drafter
 from specserve.speculative.speculator import Speculator
-from specserve.speculative.step_timer import StepTimer
+from specserve.speculative.verify_budget import VerifyBudget
 from specserve.structured.backend import GrammarBackend
 
 log = logging.getLogger("specserve.engine")
@@ -122,8 +121,8 @@ class LLMEngine:
         self.drafter = build_drafter(spec, self) if spec else None
         # Overlap needs each step's tokens only on the device; a host-side drafter needs them on
         # the host before it can draft the next step. So with a drafter only the steps that
-        # verify drafts run synchronously; the others overlap (speculation paused by the verify
-        # budget at high load, or nothing to draft: Speculator.may_overlap).
+        # verify drafts run synchronously; the others overlap (the verify budget kept no drafts,
+        # or nothing to draft: Speculator.may_overlap).
         want = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
@@ -212,12 +211,12 @@ class LLMEngine:
         )
         self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
         self.budget = (
-            VerifyBudgetPolicy(self, cache_dir() if config.cache_step_cost else None)
+            VerifyBudget.for_engine(self, cache_dir() if config.cache_step_cost else None)
             if spec is not None and spec.verify_budget == "auto"
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
-        self.step_timer = StepTimer(self.budget) if self.budget is not None else None
+        self._last_readback: float | None = None  # of the last step read back (_time_step)
         if self.device.type == "cuda":
             # What start-up built (model, tokenizer vocab, graphs) lives as long as the engine:
             # out of the collector's sight, a full collection mid-run walks only the requests'
@@ -347,25 +346,21 @@ class LLMEngine:
         ones whose inputs caused it (isolation.py): only those end, with finish_reason "error";
         the others continue as if nothing had happened. Raises isolation.EngineStepError when
         no request's inputs explain a failure."""
-        t_start = time.perf_counter()
-        if self.step_timer is not None:
-            self.step_timer.begin_step(t_start)
         outputs = self._isolation_step() if self._isolation is not None else None
         if outputs is None:
-            outputs = self._step(t_start)
+            outputs = self._step()
         for out in outputs:
             if out.finished:
                 self.forget(out.request_id)
-        if self.step_timer is not None:
-            self.step_timer.end_step(self.has_unfinished(), drained=self._inflight is None)
+        if not self.requests:
+            self._last_readback = None  # idle until the next request: no step's period
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
 
-    def _step(self, t_start: float) -> list[TokenOutput]:
+    def _step(self) -> list[TokenOutput]:
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
-        flushed = False
         if self._inflight is not None and (not overlap or self._needs_sync()):
             # taken before processing: a step whose readback raised is not processed again
             inflight, self._inflight = self._inflight, None
@@ -373,10 +368,9 @@ class LLMEngine:
             if host is _FAILED:
                 return outputs
             outputs += self._commit(inflight, host, self.scheduler.step_id + 1, draft=True)
-            flushed = True
             if self.overlap_when_paused and self.speculator is not None:
                 # the drafting just done decides: drafts kept need the synchronous path; none
-                # (speculation paused, or nothing to draft) lets this step run overlapped
+                # (the budget kept none, or nothing to draft) lets this step run overlapped
                 overlap = not self.speculator.has_drafts()
         batch = self.scheduler.schedule()
         self.pool.release_through(batch.step - 2)
@@ -397,8 +391,6 @@ class LLMEngine:
                 host = self._read_or_roll_back(launched)
                 if host is not _FAILED:
                     outputs += self._commit(launched, host, batch.step, draft=True)
-                    if self.step_timer is not None:
-                        self.step_timer.sync_step_processed(t_start, measured=not flushed)
         else:
             inflight, self._inflight = self._inflight, launched
             if inflight is not None:
@@ -488,7 +480,7 @@ class LLMEngine:
         if self.overlap:
             return True
         return self.speculator is not None and self.speculator.may_overlap(
-            self.scheduler.step_id + 1, in_flight=self._inflight is not None
+            in_flight=self._inflight is not None
         )
 
     def _needs_sync(self) -> bool:
@@ -540,16 +532,26 @@ class LLMEngine:
         from them. Everything before the ledger: a failure here leaves no trace once the step
         is rolled back."""
         batch, seqs = launched.batch, launched.seqs
-        if self.step_timer is not None:
-            self.step_timer.flush()  # the budget's bookkeeping, while the device runs the step
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.tp:
             self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)
+        if self.budget is not None:
+            self._time_step(launched)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
-        if self.step_timer is not None:
-            self.step_timer.read_back(launched)
         return host
+
+    def _time_step(self, launched: LaunchedStep) -> None:
+        """The verify budget's curve learns what a decode/verify step costs the run: the time
+        between its readback and the previous one, i.e. its device time plus the host work of a
+        step that overlap does not hide (ledger, drafting, scheduling). The first step after
+        the engine was idle has no such period: its launch-to-readback. Prompt chunks cost far
+        less per row: left out."""
+        now = time.perf_counter()
+        last, self._last_readback = self._last_readback, now
+        if launched.batch.is_decode_shaped:
+            start = last if last is not None else launched.t0
+            self.budget.observe_step(launched.batch.num_rows, now - start)
 
     def _commit(
         self, launched: LaunchedStep, host: HostStepResult | None, out_step: int, draft: bool

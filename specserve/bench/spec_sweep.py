@@ -1,8 +1,8 @@
 """Throughput vs concurrency for speculation off, fixed k, and the auto verify budget.
 
 Closed loop: at concurrency C, C requests are in flight at all times until N are done, all three
-modes on the same prompts and settings in the same run (issue: auto >= best of the others - 3%
-and >= off - 2% at every point). --repeats R times each point R times and reports the median run
+modes on the same prompts and settings in the same run (issue: auto >= 0.97x fixed k and
+>= 0.99x off at every point). --repeats R times each point R times and reports the median run
 (short points on a shared machine are noisy).
 
 With `--method golden` (random-weight models) every request carries golden tokens, drawn once per
@@ -293,20 +293,11 @@ def _budget_state(llm) -> dict[str, Any]:
     """What the auto engine's verify budget believes: its step-cost model and choices so far."""
     m = llm.get_metrics()
     keys = (
-        "step_cost_kv_seconds_per_token",
-        "step_cost_seconds_per_request",
         "step_cost_curve",
-        "plain_step_cost_curve",
-        "verify_budget_sync_overhead_seconds",
-        "verify_budget_sync_period_bias",
-        "verify_budget_plain_period_bias",
-        "verify_budget_trim_seconds",
-        "verify_budget_plain_chosen",
-        "verify_budget_plain_explored",
-        "verify_budget_spec_probes",
-        "verify_budget_plain_ahead",
         "verify_budget_offered_draft_rows",
         "verify_budget_chosen_draft_rows",
+        "verify_budget_expected_accepted_tokens",
+        "verify_budget_seqlens_q",
     )
     return {k: m.get(k) for k in keys}
 
@@ -335,7 +326,7 @@ def _checks(
         triples = list(zip(runs[("off", c)], runs[("fixed", c)], runs[("auto", c)]))
         over_off = statistics.median(a / o for o, _f, a in triples)
         over_fixed = statistics.median(a / f for _o, f, a in triples)
-        good = over_fixed >= 0.97 and over_off >= 0.98
+        good = over_fixed >= 0.97 and over_off >= 0.99
         ok &= good
         identical[c] = len({digests[(m, c)] for m in MODES}) == 1
         line = (

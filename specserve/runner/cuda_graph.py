@@ -125,7 +125,7 @@ class _Bucket:
     # With speculation (max_query_len > 1) a second graph for steps where no request verifies
     # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
     # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
-    # speculative engine (the verify budget pausing speculation at high load) costs what it costs
+    # speculative engine (the verify budget keeping no drafts at high load) costs what it costs
     # in an engine without a drafter. Only buckets a decode step can fill (<= max_num_seqs rows).
     decode_replay: Callable[[], None] | None = None
 

@@ -1,21 +1,21 @@
-"""Online estimate of how likely a model-free draft is to be accepted at each position.
+"""Online acceptance estimates for drafters without confidences of their own (n-gram).
 
-Per request when it has history, falling back to the engine-wide rate. The value at position j is
-the conditional rate P(draft j accepted | drafts < j accepted): the verify budget multiplies them
-into survival probabilities.
+The confidence of draft j is the conditional rate P(draft j accepted | drafts < j accepted): the
+verify budget multiplies them into survivals. Engine-wide counts per position, with PRIOR_WEIGHT
+pseudo-verifications at PRIOR_RATE; a request's own counts, with PRIOR_WEIGHT pseudo-verifications
+at the engine-wide rate (a new request starts at the engine's rate and moves to its own).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPT = 1.0  # pseudo-counts: an unseen position starts at 1/2
-PRIOR_TOTAL = 2.0
-MIN_REQUEST_SAMPLES = 4  # below this many verifications a request borrows the global rate
+PRIOR_RATE = 1.0  # a position never verified: optimistic, since only verifying it teaches
+PRIOR_WEIGHT = 4.0  # pseudo-verifications behind each prior
 
 
 @dataclass
-class PositionRates:
+class PositionCounts:
     verified: list[float] = field(default_factory=list)  # times position j was reached
     accepted: list[float] = field(default_factory=list)
 
@@ -24,16 +24,14 @@ class PositionRates:
         if grow > 0:
             self.verified.extend([0.0] * grow)
             self.accepted.extend([0.0] * grow)
-        # position j is reached when drafts < j were accepted
-        for j in range(min(num_drafts, num_accepted + 1)):
+        for j in range(min(num_drafts, num_accepted + 1)):  # reached: drafts < j accepted
             self.verified[j] += 1.0
         for j in range(num_accepted):
             self.accepted[j] += 1.0
 
-    def rate(self, j: int) -> float:
-        if j >= len(self.verified):
-            return PRIOR_ACCEPT / PRIOR_TOTAL
-        return (self.accepted[j] + PRIOR_ACCEPT) / (self.verified[j] + PRIOR_TOTAL)
+    def rate(self, j: int, prior: float) -> float:
+        acc, ver = (self.accepted[j], self.verified[j]) if j < len(self.verified) else (0.0, 0.0)
+        return (acc + PRIOR_WEIGHT * prior) / (ver + PRIOR_WEIGHT)
 
     def samples(self, j: int) -> float:
         return self.verified[j] if j < len(self.verified) else 0.0
@@ -41,26 +39,18 @@ class PositionRates:
 
 class AcceptanceEstimator:
     def __init__(self) -> None:
-        self.global_rates = PositionRates()
-        self.per_request: dict[str, PositionRates] = {}
+        self.global_rates = PositionCounts()
+        self.per_request: dict[str, PositionCounts] = {}
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
             return
         self.global_rates.record(num_drafts, num_accepted)
-        self.per_request.setdefault(request_id, PositionRates()).record(num_drafts, num_accepted)
+        self.per_request.setdefault(request_id, PositionCounts()).record(num_drafts, num_accepted)
 
     def confidences(self, request_id: str, n: int) -> list[float]:
-        own = self.per_request.get(request_id)
-        out = []
-        for j in range(n):
-            src = (
-                own
-                if own is not None and own.samples(j) >= MIN_REQUEST_SAMPLES
-                else self.global_rates
-            )
-            out.append(src.rate(j))
-        return out
+        own = self.per_request.get(request_id) or PositionCounts()
+        return [own.rate(j, self.global_rates.rate(j, PRIOR_RATE)) for j in range(n)]
 
     def release(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)

@@ -1,25 +1,12 @@
 """Speculation inside the engine's step: drafting the next step into the slot pool, the verify
-budget's trim, and pausing speculation while plain overlapped decoding wins.
+budget's trim, and which steps may run overlapped.
 
-A host-side drafter needs each step's tokens on the host, so steps that verify drafts run
-synchronously. When the verify budget keeps no drafts at all at the current load, speculation
-pauses: the next PAUSE_STEPS steps draft nothing and run overlapped (host work hidden). At the
-end of a pause the budget is first asked with the last drafting round's confidences (no
-synchronous step needed); after MAX_STALE_PAUSES such extensions in a row the engine drafts for
-real, so the confidences priced are a bounded number of pauses old (1 + MAX_STALE_PAUSES_CAP at
-most, below).
-
-A real drafting round drains the pipeline: the step in flight is read back and processed before
-the next one is launched, so one step's host work is exposed (2-12 ms on the H200 host at 64-256
-requests), once every 64 steps: ~1 % of plain decoding there, about what paused auto ran below
-off in the sweeps. So each forced round that confirms the pause doubles the extensions allowed
-before the next one (64, 128, 256, then every 512 steps), and a round whose verdict keeps drafts
-starts over from MAX_STALE_PAUSES. The load is still re-priced every PAUSE_STEPS steps.
+A host-side drafter needs each step's tokens on the host, so a step that verifies drafts runs
+synchronously; a step without drafts (the budget kept none, or no request can draft) overlaps.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +19,6 @@ from specserve.structured.drafts import truncate_drafts
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
-# Long enough that the one synchronous step which re-drafts costs little, short enough to notice
-# the load falling.
-PAUSE_STEPS = 8
-MAX_STALE_PAUSES = 7
-MAX_STALE_PAUSES_CAP = 63  # real drafting rounds at least every 512 steps
-
 
 class Speculator:
     def __init__(self, engine: LLMEngine) -> None:
@@ -45,39 +26,16 @@ class Speculator:
         self.engine = engine
         self.drafter = engine.drafter
         self.pool = engine.slot_pool
-        self._paused_until = 0  # steps before this id run without drafts, overlapped
-        self._stale_pauses = 0  # pauses extended in a row without drafting (keeps_pausing)
-        self._stale_limit = MAX_STALE_PAUSES  # extensions allowed before drafting for real
 
-    def paused(self, next_step: int) -> bool:
-        """Does step `next_step` run with speculation paused (overlapped, no drafts)?"""
-        if not self.engine.overlap_when_paused or not self._paused_until:
-            return False
-        if next_step < self._paused_until:
-            return True
-        # the pause is over: if the budget still wants plain decoding at this load (asked with
-        # the last drafting round's confidences), extend it without a synchronous step
-        budget = self.engine.budget
-        if self._stale_pauses < self._stale_limit and budget.keeps_pausing():
-            self._stale_pauses += 1
-            self._paused_until = next_step + PAUSE_STEPS
-            return True
-        self._paused_until = 0
-        return False
-
-    def may_overlap(self, next_step: int, in_flight: bool) -> bool:
-        """Can step `next_step` run overlapped? Only a step that verifies drafts needs the
-        synchronous path: steps run overlapped while speculation is paused, and so does any step
-        that cannot carry drafts (no request decoding yet, e.g. the prefill chunks ahead of the
-        first decode step). in_flight: the previous step is still unprocessed."""
+    def may_overlap(self, in_flight: bool) -> bool:
+        """Can the next step run overlapped? Only a step that verifies drafts needs the
+        synchronous path. in_flight: the previous step is still unprocessed."""
         if not self.engine.overlap_when_paused:
             return False
-        if self.paused(next_step):
-            return True
         if not in_flight:
             # the last step was processed with drafting: its drafts are in the slots
             return not self.has_drafts()
-        # a request whose prompt completes in the step in flight would draft once it is read
+        # a request decoding would draft once the step in flight is read: read it first
         return not any(s.num_uncomputed_tokens == 1 for s in self.engine.scheduler.running)
 
     def has_drafts(self) -> bool:
@@ -92,8 +50,8 @@ class Speculator:
         self, batch: StepBatch, seqs: list[Sequence], host: HostStepResult
     ) -> HostStepResult:
         """A verified step's outcome: the drafter learns from it; the ledger gets each
-        request's draft confidences (acceptance metrics). A step without drafts (speculation
-        paused: every step at high load) has nothing to learn or report."""
+        request's draft confidences (acceptance metrics). A step without drafts has nothing to
+        learn or report."""
         if not any(batch.num_drafts):
             return host
         drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
@@ -134,30 +92,12 @@ class Speculator:
             if s.params.max_tokens is not None:
                 room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
             limits.append(max(0, room))
-        t0 = time.perf_counter()
         proposals = self.drafter.propose(ready, limits)
         # structured outputs: drafts past the first one a grammar rejects are never verified
         proposals = truncate_drafts(ready, proposals, keep_rejected=self.drafter.has_q)
-        budget = eng.budget
-        if budget is not None:
-            budget.record_draft_time(time.perf_counter() - t0)
-            # Confidences are this round's: the drafter ran just now on the step the ledger has
-            # just processed. Speculative steps are synchronous, so no older round is involved;
-            # while speculation is paused (overlapped steps) nothing is drafted at all.
-            keep = budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
+        if eng.budget is not None:
+            # this round's confidences: the drafter ran just now on the step just processed
+            keep = eng.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
             proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
-            if eng.overlap_when_paused:
-                # Any draft kept ends the pause: drafts need the synchronous path. Only a verdict
-                # on the load pauses, not a step where no request had room to draft (requests
-                # at their last token). Prompt chunks in the step do not sway the verdict: the
-                # budget prices drafts as in a decode-only step (VerifyBudgetPolicy._choose).
-                pause = any(limits) and not any(keep)
-                if budget.verdict_speculates:
-                    self._stale_limit = MAX_STALE_PAUSES
-                elif pause and self._stale_pauses >= self._stale_limit:
-                    # a round forced by staleness confirmed the pause: the next comes later
-                    self._stale_limit = min(2 * self._stale_limit + 1, MAX_STALE_PAUSES_CAP)
-                self._paused_until = eng.scheduler.step_id + 1 + PAUSE_STEPS if pause else 0
-                self._stale_pauses = 0
         for s, (d, conf) in zip(ready, proposals):
             pool.put(s.slot, d, conf)

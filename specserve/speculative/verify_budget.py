@@ -1,184 +1,178 @@
-"""The verify budget (confidence-scheduled verification, after DSpark).
+"""The verify budget: how many draft rows the next step verifies, and which ones.
 
-Every step, choose how many of its drafts each request verifies so that expected tokens per
-second is maximal: sum_i (1 + sum_{j <= m_i} a[i][j]) / step_time(base_rows + sum_i m_i), where
-a[i][j] = prod_{l <= j} c[i][l] is the survival of draft j of request i.
+Survival a[i][j] = prod_{m <= j} c[i][m] (confidences clamped to [0, 1]) estimates the chance that
+draft j of request i is accepted. A step of base_rows rows (one per decode request) plus M draft
+rows yields, in expectation, n + (the survivals of its draft rows) tokens and costs
+step_time(base_rows + M) (step_cost.StepCostCurve). For each M the best rows are the M largest
+survivals; survival never grows along a request's drafts, so with ties going to the earlier
+position (then the earlier request) they are a prefix per request. The chooser scores every M
+against the curve and keeps the best rate of tokens per second. Zero survival is never a
+candidate: zero confidence gives no drafts. A chosen M of 0 is a plain step, which costs what a
+plain step costs.
 
-Survival never grows along a request's drafts (confidences are <= 1), so for any total M the best
-rows are the M largest survivals overall, and taking them is always a prefix per request (ties go
-to the earlier position). The chooser scores every M from 0 to the cap against the step-cost curve
-and keeps the best: no greedy early stop, since measured curves are jagged (on a padded curve,
-only the top of each bucket can win: more rows at the same time only bring more tokens).
+API (survivals on the host as numpy [n, k]; split_rows also takes torch tensors on any device):
+  survivals(confidences) -> [n, k]
+  choose(surv, base_rows, step_times, max_rows, room=None) -> BudgetChoice
+  split_rows(surv, total) -> [n] int64: the rows of each request when `total` draft rows go by
+      the global order of survivals. Tensor ops only (no .item(), no host sync, fixed shapes): it
+      runs on the device inside a CUDA graph, and on CPU.
+  VerifyBudget(curve, max_rows), the engine's budget (VerifyBudget.for_engine measures the curve):
+      .choose(surv, base_rows, room=None) -> BudgetChoice    against its curve
+      .choose_total(surv, base_rows, room=None) -> int       M alone. Under overlap the host
+          fixes step N+1's total (its graph bucket) from one-step-old confidences and the device
+          splits it by the newest ones with split_rows.
+      .observe_step(total_q, seconds)                        a real step refines the curve
+      .trim(ready, drafts, confs) -> list[int]               synchronous steps: choose and split
+          on the host with fresh confidences; keeps the metrics below
+      metrics: offered_rows, chosen_rows, expected_accepted, seqlens_q()
 
-Monotone: with a non-decreasing cost curve (StepCostCurve gives one) scaling all survivals up by a
-common factor never lowers the chosen total. Raising one request's confidences alone *can* lower
-it (more expected tokens per step makes extra rows for others relatively less worth their cost):
-that is throughput-optimal, not a bug.
+Monotone: with a non-decreasing curve, scaling all survivals up by a common factor never lowers
+the chosen total.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
+from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import torch
+
+from specserve.runner.cuda_graph import capture_sizes
+from specserve.speculative.step_cost import StepCostCurve, startup_curve
 
 if TYPE_CHECKING:
-    from specserve.speculative.step_cost import StepCostCurve
+    from specserve.engine.sequence import Sequence as Request
+    from specserve.llm_engine import LLMEngine
+
+# every EXPLORE_EVERY-th trim verifies all drafts of one request (in turns) whatever the choice:
+# drafters whose confidences are learned from outcomes (n-gram) learn only from verified drafts,
+# and the curve only from steps that run, so a pessimistic start would otherwise never be
+# corrected. One request's k rows: a small share of any step with more than a few requests.
+EXPLORE_EVERY = 16
 
 
 class BudgetChoice(NamedTuple):
-    num_verify: list[int]  # m_i: drafts request i verifies (a prefix of its drafts)
-    expected_tokens: float  # sum_i (1 + sum_{j < m_i} a[i][j])
-    total_rows: int  # base_rows + sum m_i
-    step_time: float
+    num_verify: np.ndarray  # [n] int64: drafts request i verifies (a prefix of its drafts)
+    total: int  # M: draft rows, sum of num_verify
+    expected_tokens: float  # n + the survivals of the chosen rows
+    step_time: float  # the curve's seconds for base_rows + M rows
 
 
-def survivals(confidences: Sequence[float]) -> list[float]:
-    out, s = [], 1.0
-    for c in confidences:
-        s *= min(max(c, 0.0), 1.0)
-        out.append(s)
-    return out
+def survivals(confidences: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
+    """[n, k] running products of the confidences, clamped to [0, 1] (NaN counts as 0)."""
+    c = np.nan_to_num(np.asarray(confidences, dtype=np.float64), nan=0.0)
+    return np.multiply.accumulate(np.clip(c, 0.0, 1.0), axis=-1)
 
 
-SMALL = 40  # candidates up to which the plain loop beats numpy's per-call overhead (~40 us)
-
-
-def _choose_loop(
-    confidences: Sequence[Sequence[float]],
+def choose(
+    surv: np.ndarray,
     base_rows: int,
-    step_time: Callable[[int], float],
+    step_times: Callable[[np.ndarray], np.ndarray],
     max_rows: int,
+    room: np.ndarray | Sequence[int] | None = None,
 ) -> BudgetChoice:
-    n_req = len(confidences)
-    items = []  # (-survival, position, request): survivals(), the same arithmetic (1.0 * c == c)
-    for i, conf in enumerate(confidences):
-        if conf and (min(conf) < 0.0 or max(conf) > 1.0):
-            conf = [min(max(c, 0.0), 1.0) for c in conf]  # drafters' confidences rarely need it
-        for j, a in enumerate(itertools.accumulate(conf, operator.mul)):
-            if a <= 0.0:
-                break  # later drafts survive with probability 0 too
-            items.append((-a, j, i))
-    # largest survival first; ties to the earlier position so a request's choice stays a prefix,
-    # then to the earlier request
-    items.sort()
-    cap = max(0, min(len(items), max_rows - base_rows))
-    stop_lists = getattr(step_time, "stop_lists", None)
-    if stop_lists is not None:  # cached by the curve: no per-step pricing
-        rows, times = stop_lists(base_rows, base_rows + cap)
-        ms = [r - base_rows for r in rows]
-    else:
-        ms = _candidates(step_time, base_rows, cap)
-        values = getattr(step_time, "values", None)
-        totals = [base_rows + m for m in ms]
-        times = values(totals) if values is not None else [step_time(r) for r in totals]
-    best_m, best_rate, best_tokens, best_time = 0, -1.0, float(n_req), times[0]
-    tokens, taken = float(n_req), 0
-    for m, t in zip(ms, times):
-        while taken < m:
-            tokens -= items[taken][0]
-            taken += 1
-        rate = tokens / t if t > 0 else float("inf")
-        if rate >= best_rate:  # >=: among equal rates prefer verifying more
-            best_m, best_rate, best_tokens, best_time = m, rate, tokens, t
-    num_verify = [0] * n_req
-    for _a, _j, i in items[:best_m]:
-        num_verify[i] += 1
-    return BudgetChoice(num_verify, best_tokens, base_rows + best_m, best_time)
+    """The M maximising (n + sum of the M largest survivals) / step_times(base_rows + M).
+    surv [n, k]: survivals of the drafts each request could verify (0: no draft there).
+    max_rows: the step's row limit; room[i]: the most drafts request i may verify."""
+    surv = np.asarray(surv, dtype=np.float64)
+    n, k = surv.shape
+    if room is not None:
+        surv = np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
+    flat = surv.T.ravel()  # position-major (j * n + i): a stable sort puts ties in that order
+    order = np.argsort(-flat, kind="stable")
+    a = flat[order]
+    cap = max(0, min(int(np.count_nonzero(a > 0.0)), max_rows - base_rows))
+    tokens = n + np.concatenate(([0.0], np.cumsum(a[:cap])))  # [cap + 1]
+    times = np.asarray(step_times(base_rows + np.arange(cap + 1)), dtype=np.float64)
+    best = int(np.argmax(tokens / times))  # the first maximum: fewer rows on a tie
+    num_verify = np.bincount(order[:best] % max(n, 1), minlength=n).astype(np.int64)
+    return BudgetChoice(num_verify, best, float(tokens[best]), float(times[best]))
 
 
-def _candidates(step_time: Callable[[int], float], base_rows: int, cap: int) -> Sequence[int]:
-    """The numbers of drafts worth scoring, ascending: all of 0..cap, or where the curve says
-    only some totals can win (stops(): a padded curve's bucket tops)."""
-    stops = getattr(step_time, "stops", None)
-    totals = stops(base_rows, base_rows + cap) if stops is not None else None
-    return range(cap + 1) if totals is None else [t - base_rows for t in totals]
+def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
+    """[n] int64: request i's draft rows when `total` rows are taken in the global order of
+    survivals [n, k] (largest first, ties to the earlier position, then the earlier request),
+    zero survivals never taken. A prefix per request; equals choose()'s split for its total."""
+    n, k = surv.shape
+    flat = surv.t().reshape(-1)  # [k * n] position-major
+    order = torch.sort(-flat, stable=True).indices
+    ranks = torch.arange(n * k, device=surv.device)
+    rank = torch.empty_like(order).scatter_(0, order, ranks)  # rank[r]: place of r in the order
+    taken = (rank < total) & (flat > 0)
+    return taken.view(k, n).sum(0)
 
 
-def choose_verify_budget(
-    confidences: Sequence[Sequence[float]],
-    base_rows: int,
-    step_time: Callable[[int], float],
-    max_rows: int,
-) -> BudgetChoice:
-    """confidences[i][j]: confidence of draft j of decode request i (the drafts it could verify).
-    base_rows: rows the step runs anyway (1 per decode request + prefill chunk rows).
-    max_rows: the step's token budget; drafts beyond it are never chosen.
+class VerifyBudget:
+    def __init__(self, curve: StepCostCurve, max_rows: int) -> None:
+        self.curve, self.max_rows = curve, max_rows
+        self.offered_rows = 0  # drafts proposed to trim()
+        self.chosen_rows = 0  # drafts it kept
+        self.expected_accepted = 0.0  # the survivals of the kept drafts
+        self._kept: Counter[int] = Counter()  # requests by drafts kept
+        self._calls = 0
+        self._explore_from = 0  # the request the next exploration starts at
 
-    It runs every step: a Python loop for a few candidates, numpy for many (the same arithmetic
-    in the same order, so both give the same choice)."""
-    lens = list(map(len, confidences))
-    if sum(lens) <= SMALL:
-        return _choose_loop(confidences, base_rows, step_time, max_rows)
-    n_req = len(confidences)
-    width = max(lens)
-    if width == 0:
-        return BudgetChoice([0] * n_req, float(n_req), base_rows, step_time(base_rows))
-    # one conversion; -1 marks "no draft" (sorted last, as a zero survival)
-    if min(lens) == width:
-        flat_in = np.fromiter(itertools.chain.from_iterable(confidences), np.float64, n_req * width)
-    else:
-        pad = [-1.0] * width
-        flat_in = np.fromiter(
-            itertools.chain.from_iterable(
-                c if n == width else [*c, *pad[n:]] for c, n in zip(confidences, lens)
-            ),
-            np.float64,
-            n_req * width,
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, cache_root: Path | None) -> VerifyBudget:
+        """The engine's budget: the curve from the start-up sweep over its graph buckets."""
+        rows = min(
+            engine.max_num_batched_tokens, engine.config.max_num_seqs * (1 + engine.slot_pool.k)
         )
-    conf = flat_in.reshape(n_req, width)
-    # ufuncs and their methods rather than np.clip / np.cumprod / np.cumsum / np.argsort: the
-    # same arithmetic without numpy's Python-level wrappers (~1-3 us each; this runs every step)
-    surv = np.multiply.accumulate(np.minimum(np.maximum(conf, 0.0), 1.0), axis=1)  # [n_req, width]
-    surv[conf < 0.0] = -1.0
-    # position-major (index = position * n_req + request): a stable sort on -survival leaves
-    # ties in (position, request) order, i.e. earlier positions first (a request's choice stays
-    # a prefix), then earlier requests. Zero survivals (that draft and all later ones are out)
-    # and missing drafts sort after every positive one and are cut off.
-    flat = surv.T.ravel()
-    order = (-flat).argsort(kind="stable")[: int(np.count_nonzero(flat > 0.0))]
-    a, req = flat[order], order % n_req
-    cap = max(0, min(len(a), max_rows - base_rows))
-    stop_values = getattr(step_time, "stop_values", None)
-    if stop_values is not None:
-        rows, times = stop_values(base_rows, base_rows + cap)
-        ms = rows - base_rows
-    else:
-        ms = np.asarray(_candidates(step_time, base_rows, cap), dtype=np.int64)
-        rows = base_rows + ms
-        many = getattr(step_time, "many", None)
-        times = many(rows) if many is not None else np.array([step_time(int(r)) for r in rows])
-    # [cap + 1] summed in order, then the candidates' entries
-    tokens = np.add.accumulate(np.concatenate(([float(n_req)], a[:cap])))[ms]
-    if np.minimum.reduce(times) > 0:
-        rate = tokens / times
-    else:
-        with np.errstate(divide="ignore"):
-            rate = np.where(times > 0, tokens / np.where(times > 0, times, 1.0), np.inf)
-    best = len(rate) - 1 - int(rate[::-1].argmax())  # the last maximum: verify more on ties
-    best_m = int(ms[best])
-    num_verify = np.bincount(req[:best_m], minlength=n_req).tolist()
-    return BudgetChoice(num_verify, float(tokens[best]), base_rows + best_m, float(times[best]))
+        curve = startup_curve(engine, capture_sizes(rows), cache_root)
+        return cls(curve, engine.max_num_batched_tokens)
 
+    def choose(
+        self, surv: np.ndarray, base_rows: int, room: Sequence[int] | None = None
+    ) -> BudgetChoice:
+        return choose(surv, base_rows, self.curve.times, self.max_rows, room)
 
-class OffsetCurve:
-    """A step-cost curve plus a constant, as the chooser asks for it: the curve's cached
-    candidate totals (a constant moves no total's rank) with the constant added."""
+    def choose_total(
+        self, surv: np.ndarray, base_rows: int, room: Sequence[int] | None = None
+    ) -> int:
+        return self.choose(surv, base_rows, room).total
 
-    def __init__(self, curve: StepCostCurve, add: float) -> None:
-        self.curve, self.add = curve, add
+    def observe_step(self, total_q: int, seconds: float) -> None:
+        self.curve.observe(total_q, seconds)
 
-    def __call__(self, rows: int) -> float:
-        return self.curve(rows) + self.add
+    def trim(
+        self, ready: list[Request], drafts: list[list[int]], confs: list[list[float]]
+    ) -> list[int]:
+        """How many of its drafts each ready (decoding) request verifies next step. The step is
+        priced as the decode step of these requests: prompt chunks beside it are work the run
+        does anyway, so a draft row costs the run one row either way."""
+        lens = [len(d) for d in drafts]
+        k = max(lens, default=0)
+        conf = np.zeros((len(drafts), k))
+        for i, (c, m) in enumerate(zip(confs, lens)):
+            c = c[:m]
+            conf[i, : len(c)] = c
+        surv = survivals(conf)  # zero past each request's drafts
+        keep = self.choose(surv, len(ready)).num_verify.tolist()
+        self._calls += 1
+        if self._calls % EXPLORE_EVERY == 0:
+            self._explore(surv, keep, len(ready))
+        kept = np.arange(k)[None, :] < np.asarray(keep)[:, None]
+        self.offered_rows += sum(lens)
+        self.chosen_rows += sum(keep)
+        self.expected_accepted += float(surv[kept].sum())
+        self._kept.update(keep)
+        return keep
 
-    def stop_values(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        rows, f = self.curve.stop_values(lo, hi)
-        return rows, f + self.add
+    def _explore(self, surv: np.ndarray, keep: list[int], base_rows: int) -> None:
+        """All drafts with nonzero survival of the next request in turn that has more, if they
+        fit the step."""
+        n, room = len(keep), self.max_rows - base_rows - sum(keep)
+        for t in range(n):
+            i = (self._explore_from + t) % n
+            more = int(np.count_nonzero(surv[i] > 0.0)) - keep[i]
+            if 0 < more <= room:
+                keep[i] += more
+                self._explore_from = i + 1
+                return
 
-    def stop_lists(self, lo: int, hi: int) -> tuple[list[int], list[float]]:
-        rows, f = self.curve.stop_lists(lo, hi)
-        add = self.add
-        return rows, [t + add for t in f]
+    def seqlens_q(self) -> dict[int, int]:
+        """How often each query length (1 + drafts kept) was chosen for a request."""
+        return {m + 1: c for m, c in sorted(self._kept.items())}

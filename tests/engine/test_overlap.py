@@ -2,14 +2,10 @@
 tokens read from the device-resident next_tokens buffer), checked against the synchronous path.
 On CPU the device work runs inline, so these tests pin the bookkeeping, not the concurrency."""
 
-import statistics
-from collections import Counter
-
 import pytest
 
 from specserve import SamplingParams
 from specserve.engine.sequence import FinishReason
-from specserve.speculative.host_overhead import load_range
 from tests.engine.conftest import make_llm, prompts_of
 
 _LLMS = {}
@@ -156,10 +152,10 @@ def test_overlap_flag_defaults(overlap):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(monkeypatch):
-    """With a host drafter, overlap runs while the verify budget wants no drafts (high load):
-    those steps are plain overlapped decoding; every PAUSE_STEPS the engine flushes, drafts and
-    asks again. Greedy outputs equal the synchronous engine's and speculation off."""
+def test_steps_whose_drafts_the_budget_drops_run_overlapped_and_stay_lossless(monkeypatch):
+    """With a host drafter, a step for which the verify budget keeps no drafts runs overlapped
+    (plain decoding); a step that verifies drafts runs synchronously. Greedy outputs equal the
+    synchronous engine's and speculation off."""
     prompts = prompts_of([12, 30, 8, 21])
     prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -182,93 +178,29 @@ def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(mon
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
 
 
-def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(monkeypatch):
-    """At the end of a pause the engine asks keeps_pausing() (last round's confidences) first:
-    while it says yes, steps stay overlapped, up to MAX_STALE_PAUSES extensions, then it drafts
-    for real. Outputs stay lossless."""
-    from specserve.speculative.speculator import MAX_STALE_PAUSES, PAUSE_STEPS
-
-    prompts = prompts_of([12, 30, 8, 21])
-    prompts.append([101, 102, 103, 104] * 8)
-    n_tokens = PAUSE_STEPS * (MAX_STALE_PAUSES + 3)
-    sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    want = _run(_llm(False), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
-    eng = llm.engine
-    trims, asks = [], []
-    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: trims.append(1) or [0] * len(d))
-    monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: asks.append(1) or True)
-    kinds = _record_launches(monkeypatch, eng, lambda b, o: o)
-    assert _run(llm, prompts, sp) == want
-    # the first pause starts at the first decode step; then each real trim is followed by one
-    # pause and MAX_STALE_PAUSES extensions, all overlapped
-    per_trim = PAUSE_STEPS * (1 + MAX_STALE_PAUSES)
-    assert len(asks) >= MAX_STALE_PAUSES
-    assert len(trims) <= 2 + n_tokens // per_trim
-    assert kinds.count(False) <= len(trims) + 2  # prefill + one synchronous step per real trim
-
-
-def test_drafting_rounds_that_confirm_a_pause_come_ever_more_rarely(monkeypatch):
-    """Each real drafting round drains the pipeline (one step's host work exposed). A round
-    forced by staleness that confirms the pause doubles the extensions before the next one, up
-    to MAX_STALE_PAUSES_CAP; a round whose verdict keeps drafts starts over. Lossless."""
-    from specserve.speculative.speculator import MAX_STALE_PAUSES, MAX_STALE_PAUSES_CAP, PAUSE_STEPS
-
-    prompt = [101, 102, 103, 104] * 8  # n-gram drafts at every step
-    n_tokens = 1800
-    sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    want = _run(_llm(False), [prompt], sp)
-    llm = make_llm(max_num_seqs=2, overlap=True, speculative_config=NGRAM, max_model_len=2048)
-    eng = llm.engine
-    budget = eng.budget
-    trims: list[int] = []
-    speculate_at = {5}  # the 6th real round's verdict keeps its drafts
-
-    def trim(ready, drafts, confs):
-        trims.append(eng.scheduler.step_id)
-        budget.verdict_speculates = len(trims) - 1 in speculate_at
-        return [len(d) for d in drafts] if budget.verdict_speculates else [0] * len(drafts)
-
-    monkeypatch.setattr(budget, "trim", trim)
-    monkeypatch.setattr(budget, "keeps_pausing", lambda: True)
-    assert _run(llm, [prompt], sp) == want
-    gaps = [b - a for a, b in zip(trims, trims[1:])]
-    first = PAUSE_STEPS * (1 + MAX_STALE_PAUSES)
-    top = PAUSE_STEPS * (1 + MAX_STALE_PAUSES_CAP)
-    # 64, 128, 256, 512, 512 steps; then a round that speculates (one synchronous step and a
-    # fresh round after it) and the waits start over from 64
-    assert gaps[:5] == [first, 2 * first, 4 * first, top, top]
-    assert gaps[5] <= 2 and gaps[6] == first
-
-
-def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
-    """A step where no request has room to draft (each at its last token) is no verdict on the
-    load: the engine must not pause speculation for the requests that come next. Golden drafts
-    exist at every decode step with room and the budget keeps them all: only steps without
-    drafts (prefills, last tokens) may run overlapped, and no pause may start."""
+def test_steps_with_drafts_run_synchronously_and_only_they(monkeypatch):
+    """Golden drafts exist at every decode step with room and the budget keeps them all: only
+    steps without drafts (prefills, a request at its last token) may run overlapped."""
     golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
     llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
-    # (overlapped, draft rows, a pause in force)
-    kinds = _record_launches(
-        monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts), eng.speculator._paused_until > 0)
-    )
+    kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     for i, prompt in enumerate(prompts_of([9, 14, 6])):  # one request after another
         gold = [(31 * i + 7 * j) % 400 + 3 for j in range(12)]
         sp = SamplingParams(max_tokens=12, temperature=0.0, golden_token_ids=gold)
         out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == gold
-    assert len(kinds) >= 9 and not any(paused for _, _, paused in kinds)
-    assert all(not overlapped for overlapped, drafts, _ in kinds if drafts)
+    assert len(kinds) >= 9
+    assert all(not overlapped for overlapped, drafts in kinds if drafts)
     # each request: its prefill and its last-token step carry no drafts; every other step does
-    assert sum(1 for _, drafts, _ in kinds if not drafts) <= 2 * 3
+    assert sum(1 for _, drafts in kinds if not drafts) <= 2 * 3
 
 
 def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatch):
     """Only a step that verifies drafts needs the synchronous path: the prefill chunks ahead of
-    the first decode step (no request can draft yet) run overlapped, as does the first step of
-    a pause (the drafting round that starts it kept nothing). Outputs stay lossless."""
+    the first decode step (no request can draft yet) run overlapped, as do the steps whose
+    drafting round kept nothing. Outputs stay lossless."""
     prompts = prompts_of([70, 90, 50])
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
@@ -287,7 +219,7 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
 
 
 def test_fixed_k_overlaps_the_steps_without_drafts_and_matches_the_synchronous_engine():
-    """verify_budget "off" (fixed k, no pauses) with overlap: steps where no request has an
+    """verify_budget "off" (fixed k) with overlap: steps where no request has an
     n-gram draft run overlapped, steps with drafts synchronously; greedy outputs are the
     synchronous engine's (tests/gpu/test_cuda_graph.py runs this configuration on CUDA)."""
     prompts = prompts_of([12, 30, 8])
@@ -317,7 +249,7 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
     eng = llm.engine
     calls = []
 
-    def trim(ready, drafts, confs):  # pause, then keep every draft, in turns
+    def trim(ready, drafts, confs):  # no drafts, then every draft, in turns
         calls.append(1)
         return [len(d) if len(calls) % 2 == 0 else 0 for d in drafts]
 
@@ -328,111 +260,13 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
     assert any(o for o, _ in kinds), "no step ran overlapped"
 
 
-def test_the_plain_curve_learns_only_from_steps_queued_behind_another(monkeypatch):
-    """The plain curve prices overlapped steady state: the time between consecutive readbacks
-    of steps each queued behind its predecessor. A step launched right after a flush (the
-    drafting round kept nothing) ran with its host work exposed and must not be recorded."""
-    prompts = prompts_of([12, 30, 8, 21])
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
-    eng = llm.engine
-    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
-    monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: False)  # a drafting round each pause
-    current, queued, recorded = [], [], []
-    timer = eng.step_timer
-    real_read_back, real_plain = timer.read_back, eng.budget.record_plain_step
-
-    def read_back(launched):
-        current.append(launched)
-        n = len(timer._pending)
-        real_read_back(launched)
-        if len(timer._pending) > n and timer._pending[-1][0]:
-            queued.append(launched)  # a plain measurement, recorded at the next flush
-
-    monkeypatch.setattr(timer, "read_back", read_back)
-    monkeypatch.setattr(
-        eng.budget,
-        "record_plain_step",
-        lambda *a: recorded.append(queued[len(recorded)]) or real_plain(*a),
-    )
-    _run(llm, prompts, sp)
-    after_flush = [x for x in current if x.overlapped and not x.behind and x.batch.is_decode_shaped]
-    assert after_flush, "no overlapped decode step was launched after a flush"
-    assert len(recorded) >= 20 and all(x.behind for x in recorded)
-
-
-def test_synchronous_steps_report_their_host_overhead_to_the_budget():
-    """The budget prices a speculative step as launch-to-readback (its curve) plus the host work
-    a synchronous step adds before the next one starts (ledger, drafting, the caller): the
-    engine measures the latter between consecutive step() calls."""
-    prompts = prompts_of([12, 30, 8, 21])
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
-    budget = llm.engine.budget
-    real = budget.record_sync_overhead
-    seen = []
-    budget.record_sync_overhead = lambda s, n: seen.append((s, n)) or real(s, n)
-    _run(llm, prompts, sp)
-    assert len(seen) >= 10 and min(s for s, _ in seen) >= 0.0  # one per decode step but the last
-    # kept by load (requests in the step): the busiest load range is priced by its own samples
-    by_range = Counter(load_range(n) for _, n in seen)
-    r, count = by_range.most_common(1)[0]
-    assert count >= 3
-    same = [s for s, n in seen if load_range(n) == r][-16:]
-    load = next(n for _, n in seen if load_range(n) == r)
-    assert budget.host_overhead.at(load) == statistics.median(same) > 0
-    m = llm.get_metrics()  # and what one decision costs on the host (median)
-    assert 0 < m["verify_budget_trim_seconds"] < m["verify_budget_sync_overhead_seconds"] * 10
-
-
-def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkeypatch):
-    """A pause of the caller is not host overhead of speculation: after a run's last step the
-    gap to the next run is not measured at all, and a gap between two steps counts at most the
-    step's own launch-to-readback (all overlap could hide). H200 sweep, session 7: one gap of
-    6.8 s between runs became the median, every later step looked seconds dear, and the budget
-    paused speculation at C = 1 where it is 2.7x faster."""
-    import time
-
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
-    eng = llm.engine
-    budget = eng.budget
-    seen = []
-    real = budget.record_sync_overhead
-    monkeypatch.setattr(budget, "record_sync_overhead", lambda s, n: seen.append(s) or real(s, n))
-    llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
-    assert eng.step_timer._sync_period is None  # the run is over: nothing pending into the next one
-    n = len(seen)
-    time.sleep(0.3)
-    llm.generate(prompts_of([9]), sp, use_tqdm=False)
-    assert len(seen) > n and max(seen) < 0.3
-    # a caller that stalls between steps: each sample is capped at that step's launch-to-readback
-    eng.add_request(prompts_of([14])[0], sp)
-    l2r = []
-    real_commit = eng._commit
-
-    def commit(launched, host, out_step, draft):
-        out = real_commit(launched, host, out_step, draft)
-        read = eng.step_timer._launch_to_readback  # (seconds, rows, kv tokens, requests)
-        l2r.append(read[0] if read else None)
-        return out
-
-    monkeypatch.setattr(eng, "_commit", commit)
-    seen.clear()
-    while eng.has_unfinished():
-        eng.step()
-        time.sleep(0.05)
-    assert seen and all(0 <= s <= max(x for x in l2r if x) + 1e-9 for s in seen)
-    assert max(seen) < 0.05
-
-
 @pytest.mark.parametrize("overlap", [False, True])
-def test_only_decode_shaped_steps_price_the_step_cost_curves(overlap):
+def test_only_decode_shaped_steps_price_the_step_cost_curve(overlap):
     """A step that completes a prompt samples too, but its chunk's rows are not decode rows:
-    folded into the curves, a first prefill (eager, compiling kernels: 2.5 s on the H200 where
-    a decode step takes 6 ms) priced every bucket near it 3x too high, and overlapped ones set
-    the plain curve 4x too low. Only steps whose every request feeds its anchor row and drafts
-    are recorded, with those rows."""
+    folded into the curve, a first prefill (eager, compiling kernels: 2.5 s on the H200 where a
+    decode step takes 6 ms) priced every bucket near it far too high. Only steps whose every
+    request feeds its anchor row and drafts are observed, with those rows and the time since
+    the previous readback (a whole period: device time and the host work not hidden)."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     llm = make_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
@@ -446,19 +280,32 @@ def test_only_decode_shaped_steps_price_the_step_cost_curves(overlap):
 
     eng._launch = launch
     recorded = []
-    for name in ("record_step", "record_plain_step"):
-        real = getattr(eng.budget, name)
-
-        def spy(rows, secs, kv, requests, real=real):
-            recorded.append((rows, requests))
-            return real(rows, secs, kv, requests)
-
-        setattr(eng.budget, name, spy)
+    real = eng.budget.observe_step
+    eng.budget.observe_step = lambda rows, secs: recorded.append((rows, secs)) or real(rows, secs)
     _run(llm, prompts, sp)
-    assert recorded
-    decode_shaped = {(rows, n) for rows, n, drafts in shapes if rows == n + drafts}
-    assert all(r in decode_shaped for r in recorded)
+    assert recorded and all(secs > 0 for _, secs in recorded)
+    decode_rows = {rows for rows, n, drafts in shapes if rows == n + drafts}
+    assert all(rows in decode_rows for rows, _ in recorded)
     assert max(rows for rows, _ in recorded) < 30  # never the 30-token prompt's step
+    assert any(eng.budget.curve.observed(rows) for rows, _ in recorded)
+
+
+def test_idle_time_between_runs_is_no_step_s_cost():
+    """A step costs the time since the previous readback, but not across an idle engine: the
+    caller's pause between two runs must not price the next run's first step."""
+    import time
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    eng = llm.engine
+    seen = []
+    real = eng.budget.observe_step
+    eng.budget.observe_step = lambda rows, secs: seen.append(secs) or real(rows, secs)
+    llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
+    n = len(seen)
+    time.sleep(0.5)
+    llm.generate([[7]], sp, use_tqdm=False)  # one prompt token: its first step is decode-shaped
+    assert n and len(seen) > n and max(seen) < 0.5
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():

@@ -1,6 +1,6 @@
 """EAGLE-3 speculation on CUDA: the hidden-state capture runs inside the decode/verify CUDA graphs
 (its drafts equal those of the same engine run eagerly, bit for bit), and greedy outputs equal
-speculation off, with the overlapped plain steps of a paused speculation too.
+speculation off, with the overlapped plain steps of rounds the budget kept no drafts in too.
 
     pytest -m gpu tests/gpu/test_eagle3.py     (SPECSERVE_TOKENIZER set where there is no hub)
 """
@@ -79,10 +79,10 @@ def test_capture_inside_cuda_graphs_drafts_as_eager(target, prompts, ref, tmp_pa
     assert runs[False] == runs[True]
 
 
-def test_greedy_eagle3_with_pauses_and_overlap_on_cuda(target, prompts, ref, tmp_path):
+def test_greedy_eagle3_with_plain_steps_and_overlap_on_cuda(target, prompts, ref, tmp_path):
     ids = sorted(set(range(100, 140)) | {t for r in ref for t in r[:2]})
     head = write_tiny_head(tmp_path / "random", target[1], ids, LAYERS, confidence=True)
     llm = _llm(target[0], _spec(head, k=4))
-    assert llm.engine.overlap_when_paused  # paused steps overlap on CUDA
+    assert llm.engine.overlap_when_paused  # steps without drafts overlap on CUDA
     assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
     assert llm.engine.block_manager.num_used_blocks == 0

@@ -1,9 +1,21 @@
 """Helpers shared by the verify-budget tests."""
 
-from specserve.speculative.step_cost import MIN_REAL, StepCostCurve
+import numpy as np
+
+from specserve.speculative.step_cost import StepCostCurve
 
 
-def observe(curve: StepCostCurve, rows: int, seconds: float, **fixed: int) -> None:
-    """Enough real steps of one bucket for them to replace its start-up samples."""
-    for _ in range(MIN_REAL):
-        curve.record(rows, seconds, **fixed)
+def curve_of(buckets: list[int], cost, padded: bool = False) -> StepCostCurve:
+    """A start-up curve whose bucket prices are cost(rows)."""
+    return StepCostCurve(buckets, [float(cost(b)) for b in buckets], padded)
+
+
+def run_steps(curve: StepCostCurve, rows: int, cost, n: int = 3) -> None:
+    """n real steps of `rows` rows costing cost(rows) (the first is the bucket's warm-up)."""
+    for _ in range(n):
+        curve.observe(rows, float(cost(rows)))
+
+
+def conf_matrix(confs: list[list[float]], k: int) -> np.ndarray:
+    """[n, k] confidences, zero past each request's drafts."""
+    return np.array([c + [0.0] * (k - len(c)) for c in confs], dtype=np.float64).reshape(-1, k)

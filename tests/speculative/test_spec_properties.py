@@ -82,13 +82,13 @@ def step_outs_for(outs, request_id):
     return [o for o in outs if o.request_id == request_id]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "paused-overlap"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(request, min_size=1, max_size=8), st.integers(0, 2**31))
 def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
-    """overlap=True: the verify budget is made to pause speculation at random (its trim returns
+    """overlap=True: the verify budget is made to drop every draft at random (its trim returns
     no drafts), so the engine keeps switching between synchronous speculative steps and
-    overlapped plain steps (ledger one step late, flush when speculation resumes)."""
+    overlapped plain steps (ledger one step late, flush before each drafting round)."""
     eng = _engine(overlap)
     rng = random.Random(seed)
     seqs = {}
@@ -104,13 +104,13 @@ def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
         processed.append((batch, res, list(outs)))
         return outs
 
-    def pausing_trim(ready, drafts, confs):
+    def dropping_trim(ready, drafts, confs):
         keep = real_trim(ready, drafts, confs)
         return [0] * len(keep) if rng.random() < 0.5 else keep
 
     eng.ledger.process_outputs = spy
     if overlap:
-        eng.budget.trim = pausing_trim
+        eng.budget.trim = dropping_trim
     try:
         pending = sorted(reqs, key=lambda r: r["arrive_at"])
         tick = 0

@@ -64,9 +64,7 @@ def test_greedy_speculation_is_token_for_token_identical(off, cfg):
     assert m["spec_drafts"] > 0 and m["spec_accepted_tokens"] > 0
     if cfg is SELF:
         assert m["spec_accepted_tokens"] / m["spec_draft_tokens"] > 0.95
-    if llm.engine.budget is not None:  # the step-cost model's fixed terms, measured at start-up
-        assert m["step_cost_kv_seconds_per_token"] >= 0
-        assert m["step_cost_seconds_per_request"] >= 0
+    if llm.engine.budget is not None:  # the step-cost curve, swept at start-up
         assert all(t > 0 for _, t in m["step_cost_curve"])
     assert llm.engine.block_manager.num_used_blocks == 0
     assert llm.engine.slot_pool.num_in_use == 0
