@@ -16,6 +16,7 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_OPS | 1 | fused Triton add+RMSNorm, rotary + KV write, silu-and-mul on CUDA |
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
+| SPECSERVE_DEVICE_DRAFTS | 1 | n-gram / golden draft inside the step when overlap is on (0: on the host) |
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Settings:
     fused_ops: bool
     pdl: bool
     fused_verify: bool
+    device_drafts: bool
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -53,6 +55,7 @@ class Settings:
             fused_ops=_flag(environ, "SPECSERVE_FUSED_OPS"),
             pdl=_flag(environ, "SPECSERVE_PDL"),
             fused_verify=_flag(environ, "SPECSERVE_FUSED_VERIFY"),
+            device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
         )
 
 

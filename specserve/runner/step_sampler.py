@@ -4,6 +4,8 @@ min_tokens masking, verification and logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
+from specserve.engine.slots import DraftSlotPool
 from specserve.ops.logits_processing import LogitsProcessing, apply_logits_processing
 from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
@@ -37,6 +40,16 @@ class PenaltyInputs(NamedTuple):
     repetition: torch.Tensor  # [rows] float32
 
 
+class DraftFeed(NamedTuple):
+    """A step whose drafts or positions only the device knows (device drafters, overlap):
+    verify-layout indices into the draft slot pool (runner/device_feed.py for the rows)."""
+
+    draft_at: torch.Tensor  # [total_q] int64, flat pool index + 1 of the draft row r checks; 0
+    row_shift: torch.Tensor  # [total_q] int64, slot whose rejected rows correct row r; 0
+    req_shift: torch.Tensor  # [R] int64, the same per request
+    anchor_pos: torch.Tensor  # [R] int64, KV position of each anchor row as the host laid it
+
+
 class SamplerPlan(NamedTuple):
     """The host's half of a step's verification, built from the requests at launch."""
 
@@ -49,6 +62,12 @@ class SamplerPlan(NamedTuple):
     slots: torch.Tensor  # [R] int64, each request's slot (for next_tokens)
     num_logprobs: int | None  # top-N to compute, None = no request wants logprobs
     processing: LogitsProcessing | None = None  # logit_bias / allowed_token_ids / bad_words
+    feed: DraftFeed | None = None  # device drafts / positions (None: the host knows them all)
+    # [pairs] int64: the min_tokens of each (row, col) of min_tokens_mask, when the step's
+    # output indices are upper bounds (feed): the device masks only rows still below it
+    min_tokens_limit: torch.Tensor | None = None
+    golden: bool = False  # some request has golden tokens (read from the device table: feed)
+    seqlens_q: list[int] | None = None  # host copy of the layout's rows per request
 
 
 class SampledStep:
@@ -60,6 +79,8 @@ class SampledStep:
         result: VerifyResult,
         logprobs: LogprobsResult | None,
         draft_confidences: list[list[float]] | None = None,
+        drafted: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seqlens_q: list[int] | None = None,  # with drafted: the step's rows per request
     ) -> None:
         self.result = result
         self.total_q = result.verified_token_ids.shape[0]
@@ -73,7 +94,15 @@ class SampledStep:
                 result.num_accepted,
             ]
         )
+        # drafted: ([R] int64 drafts each request really verified, [total_q] float32 confidence
+        # of the draft at each verify row), for a step of device drafts
+        self.has_drafted = drafted is not None
+        self.seqlens_q = seqlens_q
+        if drafted is not None:
+            ints = torch.cat([ints, drafted[0]])
         parts = [ints]
+        if drafted is not None:
+            parts.append(drafted[1])
         if logprobs is not None:
             lp = logprobs
             parts += [lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs]
@@ -86,23 +115,41 @@ class SampledStep:
             ints = host[0].tolist()
             t, r = self.total_q, self.num_reqs
             lp = ranks = top_ids = top_lps = None
-            if len(host) > 1:
-                lp, ranks, top_ids, top_lps = (x.tolist() for x in host[1:])
+            confs, real = self.draft_confidences, None
+            rest = host[1:]
+            if self.has_drafted:
+                real = ints[t + 2 * r :]
+                per_row = rest[0].tolist()
+                confs, at = [], 0
+                for n, rows in zip(real, self.seqlens_q):  # a request's real drafts come first
+                    confs.append(per_row[at : at + n])
+                    at += rows
+                rest = rest[1:]
+            if rest:
+                lp, ranks, top_ids, top_lps = (x.tolist() for x in rest)
             self._host = HostStepResult(
                 ints[:t],
                 ints[t : t + r],
-                ints[t + r :],
+                ints[t + r : t + 2 * r],
                 lp,
                 ranks,
                 top_ids,
                 top_lps,
-                self.draft_confidences,
+                confs,
+                real,
             )
         return self._host
 
 
 class StepSampler:
-    def __init__(self, device: torch.device, eos_ids: frozenset[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+        pool: DraftSlotPool | None = None,
+    ) -> None:
+        self.pool = pool  # device drafters' drafts and per-slot state
         self.device = device
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
@@ -111,16 +158,28 @@ class StepSampler:
         t = h2d(seqlens_q, torch.int64, self.device)
         return build_layout(t, sum(seqlens_q), max(seqlens_q) - 1)
 
-    def plan(self, seqs: list[Sequence], drafts: list[list[int]]) -> SamplerPlan:
+    def plan(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        device_drafts: bool = False,
+        shifts: list[bool] | None = None,
+        anchor_pos: list[int] | None = None,
+    ) -> SamplerPlan:
         """Everything the verification needs from the host, read from the requests now (so the
         device part may run later, e.g. in a worker thread, while the ledger moves on). A
         request's output index counts its pending tokens (overlap scheduling: the step in flight
-        appends them), so RNG counters, min_tokens and golden tokens see the right position."""
+        appends them), so RNG counters, min_tokens and golden tokens see the right position.
+
+        With a device drafter (device_drafts) drafts[i] are placeholders for the slot pool's,
+        and a request with shifts[i] has drafts in flight: its output index counts them as
+        accepted, and the device takes off the ones its step rejected (DraftFeed). anchor_pos:
+        the KV position of each request's anchor row as laid out (device drafters only)."""
         seqlens_q = [1 + len(d) for d in drafts]
         row_params, row_seeds, row_counters = [], [], []
         draft_rows: list[int] = []
         for seq, d in zip(seqs, drafts):
-            n_out = seq.num_output_tokens + seq.num_pending
+            n_out = seq.num_output_tokens + seq.num_pending + seq.num_pending_drafts
             for j in range(len(d) + 1):
                 row_params.append(seq.params)
                 row_seeds.append(seq.seed)
@@ -132,17 +191,48 @@ class StepSampler:
             assert not any(s.num_pending for s in seqs), "penalties need every output token"
             penalties = self._penalty_inputs(seqs, drafts)
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        feed = None
+        shifted = shifts is not None and any(shifts)
+        if device_drafts:
+            feed = self._feed(seqs, drafts, shifts or [False] * len(seqs), anchor_pos)
+        golden = shifted and any(s.params.golden_token_ids is not None for s in seqs)
+        mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
         return SamplerPlan(
             self.layout(seqlens_q),
             SamplingTensors.build(row_params, row_seeds, row_counters, self.device),
             h2d(draft_rows, torch.int64, self.device),
             penalties,
-            self._min_tokens_mask(seqs, drafts),
-            self._forced(seqs, drafts),
+            mask,
+            None if golden else self._forced(seqs, drafts),
             h2d([s.slot for s in seqs], torch.int64, self.device),
             max(want) if want else None,
             plan_logits_processing(seqs, drafts, self.device),
+            feed,
+            limit,
+            golden,
+            seqlens_q,
         )
+
+    def _feed(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        shifts: list[bool],
+        anchor_pos: list[int] | None,
+    ) -> DraftFeed:
+        k = self.pool.k if self.pool is not None else 0
+        at: list[int] = []
+        row_shift: list[int] = []
+        for seq, d, sh in zip(seqs, drafts, shifts):
+            at.extend(seq.slot * k + j + 1 for j in range(len(d)))
+            at.append(0)
+            row_shift.extend([seq.slot if sh else 0] * (len(d) + 1))
+        req_shift = [s.slot if sh else 0 for s, sh in zip(seqs, shifts)]
+
+        def i64(x: list[int]) -> torch.Tensor:
+            return h2d(x, torch.int64, self.device)
+
+        return DraftFeed(i64(at), i64(row_shift), i64(req_shift), i64(anchor_pos or []))
 
     def execute(
         self,
@@ -150,9 +240,22 @@ class StepSampler:
         logits: torch.Tensor,  # [total_q, V]
         draft_probs: torch.Tensor | None = None,  # [total_q, V]
         next_tokens: torch.Tensor | None = None,  # [slots] int64
+        after_verify: Callable[[SamplerPlan, VerifyResult, torch.Tensor], None] | None = None,
     ) -> SampledStep:
         """The device part: logit bias / allowed ids / bad words, penalties, min_tokens mask,
-        verification, next_tokens, logprobs (of the raw logits)."""
+        verification, next_tokens, logprobs (of the raw logits). With a DraftFeed: the drafts
+        read from the slot pool, output indices corrected by the step in flight's rejections,
+        then the pool's per-slot state advanced and after_verify(plan, result, seq_len [R])
+        called (the device drafter drafts the next step there)."""
+        layout = plan.layout
+        t, draft_ids, forced, feed = plan.t, plan.draft_ids, plan.forced, plan.feed
+        if feed is not None:
+            pool = self.pool
+            t = dataclasses.replace(t, counter=t.counter - pool.rejected[feed.row_shift])
+            gather = (feed.draft_at - 1).clamp_min(0)
+            draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
+            if plan.golden:
+                forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
         proc = logits
         if plan.processing is not None:
             proc = apply_logits_processing(proc, plan.processing)
@@ -160,14 +263,26 @@ class StepSampler:
             proc = apply_penalties(proc, *plan.penalties)
         if plan.min_tokens_mask is not None:
             rows, cols = plan.min_tokens_mask
-            # index_fill_ on flat indices: advanced-index assignment (logits[rows, cols] = x)
+            # scatter on flat indices: advanced-index assignment (logits[rows, cols] = x)
             # syncs on CUDA, which the sync guard test caught
             flat = rows * proc.shape[1] + cols
-            proc = proc.clone().view(-1).index_fill_(0, flat, float("-inf")).view(proc.shape)
-        layout = plan.layout
-        result = verify(proc, plan.draft_ids, draft_probs, plan.t, layout, plan.forced)
+            proc = proc.clone().view(-1)
+            if plan.min_tokens_limit is None:
+                proc.index_fill_(0, flat, float("-inf"))
+            else:  # rows laid out from a lower bound: mask those still below min_tokens
+                below = t.counter[rows] < plan.min_tokens_limit
+                vals = torch.where(below, torch.full_like(proc[flat], float("-inf")), proc[flat])
+                proc.scatter_(0, flat, vals)
+            proc = proc.view(logits.shape)
+        result = verify(proc, draft_ids, draft_probs, t, layout, forced)
         if next_tokens is not None:
             next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
+        drafted = None
+        if feed is not None:
+            drafted = self._drafted(plan, draft_ids, feed)
+            seq_len = self._advance_slots(plan, result, feed)
+            if after_verify is not None:
+                after_verify(plan, result, seq_len)
         lr = None
         if plan.num_logprobs is not None:
             emitted = torch.where(
@@ -176,7 +291,34 @@ class StepSampler:
                 result.sampled_token_ids[layout.row_to_req],
             )
             lr = compute_logprobs(logits, emitted, plan.num_logprobs)
-        return SampledStep(result, lr)
+        seqlens = None if feed is None else plan.seqlens_q
+        return SampledStep(result, lr, drafted=drafted, seqlens_q=seqlens)
+
+    def _drafted(
+        self, plan: SamplerPlan, draft_ids: torch.Tensor, feed: DraftFeed
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R] drafts each request really verified, [total_q] their confidences), read before
+        the drafter overwrites the pool."""
+        layout = plan.layout
+        real = (draft_ids >= 0) & layout.is_verify & (feed.draft_at > 0)
+        count = torch.zeros_like(layout.seqlens_q).scatter_add_(
+            0, layout.row_to_req, real.to(layout.seqlens_q.dtype)
+        )
+        conf = self.pool.draft_conf.view(-1)[(feed.draft_at - 1).clamp_min(0)]
+        return count, torch.where(real, conf, torch.zeros_like(conf))
+
+    def _advance_slots(self, plan: SamplerPlan, result: VerifyResult, feed: DraftFeed):
+        """The pool's per-slot state after this step, on the device: each request's length
+        (its anchor row's true position + accepted drafts + the sampled token) and the verify
+        rows it rejected (the next step, laid out as if all were accepted, moves back by them).
+        Returns the new lengths [R] int64."""
+        pool = self.pool
+        anchor = feed.anchor_pos - pool.rejected[feed.req_shift]
+        seq_len = anchor + result.num_accepted + 2
+        rejected = plan.layout.seqlens_q - 1 - result.num_accepted
+        pool.rejected.index_copy_(0, plan.slots, rejected)
+        pool.seq_len.index_copy_(0, plan.slots, seq_len)
+        return seq_len
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""
@@ -214,16 +356,19 @@ class StepSampler:
         )
 
     def _min_tokens_mask(
-        self, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, cols) the mask sets to -inf: rows that would produce an output token before
-        min_tokens can't pick EOS/stop ids."""
+        self, seqs: list[Sequence], drafts: list[list[int]], bounded: bool = False
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+        """((rows, cols) the mask sets to -inf, limits): rows that would produce an output token
+        before min_tokens can't pick EOS/stop ids. bounded: output indices are known only from
+        below (drafts in flight); the rows are those of the lower bound and limits[pair] the
+        min_tokens each (row, col) is masked under (execute checks the true index)."""
         rows: list[int] = []
         cols: list[int] = []
+        limits: list[int] = []
         row = 0
         for seq, d in zip(seqs, drafts):
             p = seq.params
-            n_out = seq.num_output_tokens + seq.num_pending
+            n_out = seq.num_output_tokens + seq.num_pending  # exact without drafts in flight
             if p.min_tokens > n_out:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
                 if any(not 0 <= t < self.vocab_size for t in banned):
@@ -232,7 +377,9 @@ class StepSampler:
                 for j in range(min(len(d) + 1, p.min_tokens - n_out)):
                     rows.extend([row + j] * len(banned))
                     cols.extend(banned)
+                    limits.extend([p.min_tokens] * len(banned))
             row += len(d) + 1
         if not rows:
-            return None
-        return h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)
+            return None, None
+        mask = h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)
+        return mask, h2d(limits, torch.int64, self.device) if bounded else None
