@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from specserve import SamplingParams
+from specserve import SamplingParams, env
 from specserve.engine.sequence import FinishReason
 from specserve.speculative.host_overhead import load_range
 from tests.engine.conftest import make_llm, prompts_of
@@ -156,6 +156,13 @@ def test_overlap_flag_defaults(overlap):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
+def make_host_drafting_llm(**kw):
+    """The host-drafting path (the draft model's and EAGLE-3's: synchronous steps to draft,
+    overlap while speculation pauses), driven by the n-gram and golden drafters on the host."""
+    with env.override(device_drafts=False):
+        return make_llm(**kw)
+
+
 def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(monkeypatch):
     """With a host drafter, overlap runs while the verify budget wants no drafts (high load):
     those steps are plain overlapped decoding; every PAUSE_STEPS the engine flushes, drafts and
@@ -164,7 +171,9 @@ def test_speculation_paused_by_the_budget_runs_overlapped_and_stays_lossless(mon
     prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True
+    )
     eng = llm.engine
     assert not eng.overlap and eng.overlap_when_paused
     calls = []
@@ -193,7 +202,7 @@ def test_a_pause_the_budget_still_wants_is_extended_without_a_synchronous_step(m
     n_tokens = PAUSE_STEPS * (MAX_STALE_PAUSES + 3)
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
     eng = llm.engine
     trims, asks = [], []
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: trims.append(1) or [0] * len(d))
@@ -218,7 +227,9 @@ def test_drafting_rounds_that_confirm_a_pause_come_ever_more_rarely(monkeypatch)
     n_tokens = 1800
     sp = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), [prompt], sp)
-    llm = make_llm(max_num_seqs=2, overlap=True, speculative_config=NGRAM, max_model_len=2048)
+    llm = make_host_drafting_llm(
+        max_num_seqs=2, overlap=True, speculative_config=NGRAM, max_model_len=2048
+    )
     eng = llm.engine
     budget = eng.budget
     trims: list[int] = []
@@ -247,7 +258,7 @@ def test_a_request_at_its_last_token_does_not_pause_speculation(monkeypatch):
     exist at every decode step with room and the budget keeps them all: only steps without
     drafts (prefills, last tokens) may run overlapped, and no pause may start."""
     golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
-    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
+    llm = make_host_drafting_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
     # (overlapped, draft rows, a pause in force)
@@ -272,7 +283,7 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
     prompts = prompts_of([70, 90, 50])
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
-    llm = make_llm(
+    llm = make_host_drafting_llm(
         max_num_seqs=8, overlap=True, speculative_config=NGRAM, max_num_batched_tokens=32
     )
     eng = llm.engine
@@ -294,8 +305,10 @@ def test_fixed_k_overlaps_the_steps_without_drafts_and_matches_the_synchronous_e
     prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     spec = NGRAM | {"verify_budget": "off"}
-    want = _run(make_llm(max_num_seqs=8, speculative_config=spec), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True)
+    want = _run(make_host_drafting_llm(max_num_seqs=8, speculative_config=spec), prompts, sp)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True
+    )
     eng = llm.engine
     assert eng.budget is None and eng.overlap_when_paused
     assert _run(llm, prompts, sp) == want
@@ -313,7 +326,9 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
     ]
     want = _run(_llm(False), prompts, params)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True
+    )
     eng = llm.engine
     calls = []
 
@@ -334,7 +349,7 @@ def test_the_plain_curve_learns_only_from_steps_queued_behind_another(monkeypatc
     drafting round kept nothing) ran with its host work exposed and must not be recorded."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
     monkeypatch.setattr(eng.budget, "keeps_pausing", lambda: False)  # a drafting round each pause
@@ -367,7 +382,7 @@ def test_synchronous_steps_report_their_host_overhead_to_the_budget():
     engine measures the latter between consecutive step() calls."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, speculative_config=NGRAM)
     budget = llm.engine.budget
     real = budget.record_sync_overhead
     seen = []
@@ -394,7 +409,7 @@ def test_the_sync_overhead_leaves_out_idle_time_and_is_capped_at_the_step(monkey
     import time
 
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, speculative_config=NGRAM)
     eng = llm.engine
     budget = eng.budget
     seen = []
@@ -435,7 +450,7 @@ def test_only_decode_shaped_steps_price_the_step_cost_curves(overlap):
     are recorded, with those rows."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
     eng = llm.engine
     shapes = []
     real_launch = eng._launch
@@ -462,7 +477,7 @@ def test_only_decode_shaped_steps_price_the_step_cost_curves(overlap):
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():
-    llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
     assert not llm.engine.overlap and not llm.engine.overlap_when_paused
 
 
