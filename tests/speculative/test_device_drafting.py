@@ -163,3 +163,95 @@ def test_device_ngram_history_appends_the_emitted_tokens():
     drafter.append(torch.tensor([1, 2]), layout, verified, sampled, accepted, seq_len)
     assert drafter.history[1, :5].tolist() == [5, 6, 7, 8, 11]
     assert drafter.history[2, :3].tolist() == [9, 9, 12]
+
+
+def test_max_model_len_reached_with_drafts_in_flight():
+    """Requests run into max_model_len while their drafts fly: the room is priced from the
+    upper bound, nothing is emitted past the limit, outputs are those of speculation off."""
+    prompts = prompts_of([20, 33, 7], seed=5) + [[101, 102, 103, 104] * 5]
+    gold = GOLD + GOLD
+    sp = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, golden_token_ids=gold)
+    want = _run(make_llm(max_num_seqs=4, max_model_len=48), prompts, sp)
+    for spec in (NGRAM, GOLDEN):
+        llm = make_llm(
+            max_num_seqs=4,
+            max_model_len=48,
+            overlap=True,
+            speculative_config=spec,
+            debug_invariants=True,
+        )
+        assert _run(llm, prompts, sp) == want
+    assert all(len(p) + len(o) == 48 and r == "length" for p, (o, _, r) in zip(prompts, want))
+
+
+request = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 40),
+        "max_tokens": st.integers(1, 30),
+        "stop_tok": st.one_of(st.none(), st.integers(3, 60)),
+        "golden": st.booleans(),
+        "temperature": st.sampled_from([0.0, 1.0]),
+        "arrive_at": st.integers(0, 6),
+        "abort_at": st.one_of(st.none(), st.integers(0, 20)),
+    }
+)
+_PROP: dict[str, object] = {}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+@settings(max_examples=15, deadline=None)
+@given(st.lists(request, min_size=1, max_size=6), st.integers(0, 2**31))
+def test_invariants_over_random_workloads(spec, reqs, seed):
+    """Arrivals, aborts, stops inside accepted drafts (golden ids drawn from the stop range),
+    preemption (13 KV blocks) and max_model_len, all with drafts in flight: debug invariants
+    hold at every step, and each request's outputs are exactly the tokens appended to it."""
+    key = spec["method"]
+    if key not in _PROP:
+        _PROP[key] = make_llm(
+            max_num_seqs=4,
+            max_model_len=64,
+            kv_cache_memory_gb=0.0001,
+            overlap=True,
+            speculative_config=spec,
+            debug_invariants=True,
+        )
+    eng = _PROP[key].engine
+    rng = random.Random(seed)
+    seqs, emitted, finished = {}, {}, {}
+    pending = sorted(reqs, key=lambda r: r["arrive_at"])
+    tick = 0
+    while pending or eng.has_unfinished():
+        while pending and pending[0]["arrive_at"] <= tick:
+            r = pending.pop(0)
+            prompt = [rng.randrange(3, 60) for _ in range(r["prompt_len"])]
+            gold = [rng.randrange(3, 60) for _ in range(40)] if r["golden"] else None
+            sp = SamplingParams(
+                temperature=r["temperature"],
+                max_tokens=r["max_tokens"],
+                stop_token_ids=[r["stop_tok"]] if r["stop_tok"] is not None else None,
+                golden_token_ids=gold,
+            )
+            seq = eng.add_request(prompt, sp)
+            seqs[seq.request_id] = (seq, r)
+            emitted[seq.request_id] = []
+        for rid, (_seq, r) in seqs.items():
+            if r["abort_at"] == tick and rid not in finished:
+                eng.abort(rid)
+        for o in eng.step():
+            assert o.request_id not in finished
+            if o.token_id >= 0:
+                emitted[o.request_id].append(o.token_id)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+        tick += 1
+        assert tick < 2000
+    assert set(finished) == set(seqs)
+    for rid, (seq, r) in seqs.items():
+        assert emitted[rid] == seq.output_token_ids
+        assert seq.spec.num_accepted_tokens <= seq.num_output_tokens
+        if r["stop_tok"] is not None and finished[rid] != "abort":
+            assert r["stop_tok"] not in emitted[rid][:-1]
+        assert seq.num_tokens <= 64
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+    eng.release_outputs()
+    assert eng.pool.num_free == eng.pool.capacity
