@@ -137,14 +137,17 @@ class LLMEngine:
                 config.max_num_seqs,
                 k,
                 mc.vocab_size,
-                self.drafter is not None and self.drafter.has_q,
+                (self.drafter is not None and self.drafter.has_q)
+                or (on_device and spec.method == "eagle3"),
                 self.device,
             )
             if spec or want
             else None
         )
         self.device_drafting = (
-            DeviceDrafting(spec, self.slot_pool, mc.vocab_size, config.seed, self.max_model_len)
+            DeviceDrafting(
+                spec, self.slot_pool, mc.vocab_size, config.seed, self.max_model_len, self
+            )
             if on_device
             else None
         )
@@ -185,6 +188,8 @@ class LLMEngine:
             self.max_model_len,
             self.slot_pool,
             device_drafts=self.device_drafting is not None,
+            # EAGLE-3's chain writes its head KV k - 1 positions past the verified rows
+            lookahead=k - 1 if self.device_drafting and self.device_drafting.eagle else 0,
         )
         # two steps of outputs live at once, each at most every row of a step plus the requests
         # that end without a token in it (aborts, prompt too long)
@@ -519,15 +524,14 @@ class LLMEngine:
         worker = overlap and self._worker is not None
         admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
         plan_args: dict = {}
-        if dd is not None:
-            hook = dd.step_hook()
+        if dd is not None and seqs:
             kept = [i for i, sm in enumerate(batch.samples) if sm]
+            anchors = [
+                batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept
+            ]
+            hook = dd.step_hook(seqs, anchors, [len(d) for d in drafts])
             plan_args = dict(
-                device_drafts=True,
-                shifts=[batch.shifts[i] for i in kept],
-                anchor_pos=[
-                    batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept
-                ],
+                device_drafts=True, shifts=[batch.shifts[i] for i in kept], anchor_pos=anchors
             )
         if seqs:
             if worker:  # read from the requests before this thread moves on

@@ -64,10 +64,14 @@ class Scheduler:
         max_model_len: int,
         slot_pool: DraftSlotPool | None = None,
         device_drafts: bool = False,
+        lookahead: int = 0,
     ) -> None:
         self.bm = block_manager
         self.slots = slot_pool
         self.device_drafts = device_drafts
+        # positions past a decode request's rows a device drafter writes its own KV at (blocks
+        # grown for them when free; a request short of them drafts into padding, lossless)
+        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -246,6 +250,9 @@ class Scheduler:
 
     def _add_to_batch(self, batch: StepBatch, seq: Sequence, rows: int, drafts: list[int]) -> None:
         self.bm.allocate(seq.block_table, seq.num_computed_tokens + rows)
+        ahead = seq.num_computed_tokens + rows + self.lookahead
+        if self.lookahead and self.bm.can_allocate(seq.block_table, ahead):
+            self.bm.allocate(seq.block_table, ahead)
         samples = seq.num_computed_tokens + rows - len(drafts) == (
             seq.num_tokens + seq.num_pending + seq.num_pending_drafts
         )

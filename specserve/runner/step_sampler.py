@@ -256,6 +256,12 @@ class StepSampler:
             draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
             if plan.golden:
                 forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
+            if pool.q is not None and draft_probs is None:
+                # q of each verify row's draft (EAGLE-3): 0 where it has none, so a row that
+                # checks -1 resamples from p itself
+                has = (feed.draft_at > 0) & (draft_ids >= 0)
+                q = pool.q[(feed.draft_at - 1).clamp_min(0)]
+                draft_probs = torch.where(has.unsqueeze(1), q, torch.zeros_like(q))
         proc = logits
         if plan.processing is not None:
             proc = apply_logits_processing(proc, plan.processing)

@@ -2,6 +2,9 @@
 the next step's drafts into the draft slot pool, where that step's inputs read them. The host
 never sees a draft, so the next step can be scheduled and launched while this one runs.
 
+EAGLE-3 (eagle3_device.py) runs its head after the verification the same way; its catch-up
+layout is read from the requests at launch.
+
 What the host does: when a request starts running (admission, also after a preemption) it
 uploads the request's tokens (n-gram history) and golden ids + coins, applied on the device at
 the start of that step, in stream order behind every step that still reads the slot's previous
@@ -24,10 +27,11 @@ from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.acceptance import AcceptanceEstimator
+from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
 from specserve.speculative.ngram_device import NgramDeviceDrafter
 
-DEVICE_METHODS = ("ngram", "golden")
+DEVICE_METHODS = ("ngram", "golden", "eagle3")
 
 
 class Admission(NamedTuple):
@@ -47,6 +51,7 @@ class DeviceDrafting:
         vocab_size: int,
         seed: int,
         max_model_len: int,
+        engine: object = None,  # eagle3: the engine the head is built for (eagle3.py)
     ) -> None:
         assert spec.method in DEVICE_METHODS
         self.pool = pool
@@ -57,7 +62,12 @@ class DeviceDrafting:
         self.prompt_len = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=pool.device)
         self.ngram: NgramDeviceDrafter | None = None
         self.golden: GoldenDeviceDrafter | None = None
-        if spec.method == "ngram":
+        self.eagle: Eagle3DeviceDrafter | None = None
+        if spec.method == "eagle3":
+            from specserve.speculative.eagle3 import Eagle3Drafter
+
+            self.eagle = Eagle3DeviceDrafter(Eagle3Drafter(spec, engine), pool)
+        elif spec.method == "ngram":
             self.ngram = NgramDeviceDrafter(
                 pool, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len
             )
@@ -83,13 +93,18 @@ class DeviceDrafting:
             out.append(Admission(seq.slot, seq.num_tokens, seq.num_prompt_tokens, toks, g, c))
         return out
 
-    def step_hook(self) -> Callable[[SamplerPlan, VerifyResult, torch.Tensor], None]:
-        """The after_verify of one step: drafts the next one (its n-gram confidences uploaded
-        now, from the acceptance seen so far)."""
-        conf = None
+    def step_hook(
+        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+    ) -> Callable[[SamplerPlan, VerifyResult, torch.Tensor], None]:
+        """The after_verify of one step (its sampling requests, the KV position of each anchor
+        row as laid out, its draft rows): drafts the next step. Host inputs are read now: the
+        n-gram confidences (the acceptance seen so far), EAGLE-3's catch-up layout."""
+        conf = lay = None
         if self.ngram is not None:
             rates = [self.acceptance.global_rates.rate(j) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
+        if self.eagle is not None:
+            lay = self.eagle.layout(seqs, anchor_pos, num_drafts)
 
         def hook(plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
             slots = plan.slots
@@ -103,6 +118,8 @@ class DeviceDrafting:
                     seq_len,
                 )
                 self.ngram.draft(slots, seq_len, conf)
+            elif self.eagle is not None:
+                self.eagle.draft(lay, plan, result, seq_len, seq_len - self.prompt_len[slots])
             else:
                 self.golden.draft(slots, seq_len - self.prompt_len[slots])
 
@@ -119,6 +136,8 @@ class DeviceDrafting:
     def release(self, seq: Sequence) -> None:
         if self.ngram is not None:
             self.acceptance.release(seq.request_id)
+        if self.eagle is not None:
+            self.eagle.release(seq)
 
     # -- device -------------------------------------------------------------------------------
     def apply(self, admissions: list[Admission]) -> None:
