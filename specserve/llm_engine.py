@@ -138,7 +138,7 @@ class LLMEngine:
                 k,
                 mc.vocab_size,
                 (self.drafter is not None and self.drafter.has_q)
-                or (on_device and spec.method == "eagle3"),
+                or (on_device and spec.method in ("eagle3", "draft_model")),
                 self.device,
             )
             if spec or want
@@ -188,8 +188,8 @@ class LLMEngine:
             self.max_model_len,
             self.slot_pool,
             device_drafts=self.device_drafting is not None,
-            # EAGLE-3's chain writes its head KV k - 1 positions past the verified rows
-            lookahead=k - 1 if self.device_drafting and self.device_drafting.eagle else 0,
+            # a model drafter's chain writes its own KV k - 1 positions past the verified rows
+            lookahead=k - 1 if self.device_drafting and self.device_drafting.model_drafter else 0,
         )
         # two steps of outputs live at once, each at most every row of a step plus the requests
         # that end without a token in it (aborts, prompt too long)

@@ -2,8 +2,9 @@
 the next step's drafts into the draft slot pool, where that step's inputs read them. The host
 never sees a draft, so the next step can be scheduled and launched while this one runs.
 
-EAGLE-3 (eagle3_device.py) runs its head after the verification the same way; its catch-up
-layout is read from the requests at launch.
+EAGLE-3 (eagle3_device.py) and the draft model (draft_model_device.py) run after the
+verification the same way (`model_drafter` below: their catch-up layout is read from the requests at
+launch).
 
 What the host does: when a request starts running (admission, also after a preemption) it
 uploads the request's tokens (n-gram history) and golden ids + coins, applied on the device at
@@ -27,11 +28,12 @@ from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.acceptance import AcceptanceEstimator
+from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
 from specserve.speculative.ngram_device import NgramDeviceDrafter
 
-DEVICE_METHODS = ("ngram", "golden", "eagle3")
+DEVICE_METHODS = ("ngram", "golden", "eagle3", "draft_model")
 
 
 class Admission(NamedTuple):
@@ -62,11 +64,15 @@ class DeviceDrafting:
         self.prompt_len = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=pool.device)
         self.ngram: NgramDeviceDrafter | None = None
         self.golden: GoldenDeviceDrafter | None = None
-        self.eagle: Eagle3DeviceDrafter | None = None
-        if spec.method == "eagle3":
+        self.model_drafter: Eagle3DeviceDrafter | DraftModelDeviceDrafter | None = None
+        if spec.method == "draft_model":
+            from specserve.speculative.draft_model import DraftModelDrafter
+
+            self.model_drafter = DraftModelDeviceDrafter(DraftModelDrafter(spec, engine), pool)
+        elif spec.method == "eagle3":
             from specserve.speculative.eagle3 import Eagle3Drafter
 
-            self.eagle = Eagle3DeviceDrafter(Eagle3Drafter(spec, engine), pool)
+            self.model_drafter = Eagle3DeviceDrafter(Eagle3Drafter(spec, engine), pool)
         elif spec.method == "ngram":
             self.ngram = NgramDeviceDrafter(
                 pool, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len
@@ -103,8 +109,8 @@ class DeviceDrafting:
         if self.ngram is not None:
             rates = [self.acceptance.global_rates.rate(j) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
-        if self.eagle is not None:
-            lay = self.eagle.layout(seqs, anchor_pos, num_drafts)
+        if self.model_drafter is not None:
+            lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)
 
         def hook(plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
             slots = plan.slots
@@ -118,8 +124,10 @@ class DeviceDrafting:
                     seq_len,
                 )
                 self.ngram.draft(slots, seq_len, conf)
-            elif self.eagle is not None:
-                self.eagle.draft(lay, plan, result, seq_len, seq_len - self.prompt_len[slots])
+            elif self.model_drafter is not None:
+                self.model_drafter.draft(
+                    lay, plan, result, seq_len, seq_len - self.prompt_len[slots]
+                )
             else:
                 self.golden.draft(slots, seq_len - self.prompt_len[slots])
 
@@ -136,8 +144,8 @@ class DeviceDrafting:
     def release(self, seq: Sequence) -> None:
         if self.ngram is not None:
             self.acceptance.release(seq.request_id)
-        if self.eagle is not None:
-            self.eagle.release(seq)
+        if self.model_drafter is not None:
+            self.model_drafter.release(seq)
 
     # -- device -------------------------------------------------------------------------------
     def apply(self, admissions: list[Admission]) -> None:

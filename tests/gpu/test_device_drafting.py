@@ -1,4 +1,4 @@
-"""Device drafters (n-gram, golden) on CUDA with overlap, the default there: drafts written
+"""Device drafters (n-gram, golden, draft model; EAGLE-3 in test_eagle3.py) on CUDA with overlap, the default there: drafts written
 inside the step into the draft slot pool and read there by the next step (launched before the
 host saw them), graphs and eager alike. Greedy outputs equal speculation off, every step is
 launched overlapped, and no step synchronises with the host.
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 GOLDEN = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": 0.7}
+SELF = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
 GOLD = [random.Random(1).randrange(3, 49152) for _ in range(60)]
 
 
@@ -78,7 +79,7 @@ def ref(target):
     return _run(_llm(target))
 
 
-@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_device_drafting_matches_speculation_off(target, ref, spec, enforce_eager) -> None:
     llm = _llm(target, spec, enforce_eager=enforce_eager)
@@ -93,7 +94,7 @@ def test_device_drafting_matches_speculation_off(target, ref, spec, enforce_eage
         assert eng.runner.graphs.num_verify_replays > 0  # drafts read inside the graphs
 
 
-@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])
 def test_no_host_sync_inside_a_speculative_step(target, spec) -> None:
     """Under torch.cuda.set_sync_debug_mode("error") any synchronising call in a step (a
     .item(), a .tolist() of a device tensor, a pageable copy) raises; the wait for the step in

@@ -97,7 +97,7 @@ def test_greedy_device_eagle3_with_overlap_on_cuda(target, prompts, ref, tmp_pat
     head = _copy_head(tmp_path / "copy", target, ref, device="cuda")
     llm = _llm(target[0], _spec(head, k=3), device_drafts=True, enforce_eager=enforce_eager)
     eng = llm.engine
-    assert eng.device_drafting is not None and eng.device_drafting.eagle is not None
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
     assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
     assert eng.num_sync_steps == 0
     assert llm.get_metrics()["spec_accepted_tokens"] > 0

@@ -255,3 +255,35 @@ def test_invariants_over_random_workloads(spec, reqs, seed):
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
     eng.release_outputs()
     assert eng.pool.num_free == eng.pool.capacity
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_draft_model(temperature):
+    """The draft model ("self": the target drafting for itself) inside the step: greedy
+    outputs of speculation off with every draft accepted, preemption on the way; sampled:
+    rejection sampling against its q (test_lossless.py checks the distribution)."""
+    spec = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+    spec |= {"verify_budget": "off"}
+    prompts = prompts_of([12, 30, 8, 5, 17], seed=4)
+    sp = SamplingParams(temperature=temperature, seed=2, max_tokens=20, ignore_eos=True)
+    llm = make_llm(
+        max_num_seqs=8,
+        overlap=True,
+        speculative_config=spec,
+        debug_invariants=True,
+        kv_cache_memory_gb=0.0001,
+    )
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
+    got = _run(llm, prompts, sp)
+    assert eng.num_sync_steps == 0
+    spec_counts = eng.ledger.spec
+    if temperature == 0.0:
+        assert got == _run(make_llm(max_num_seqs=8), prompts, sp)
+        assert spec_counts.num_accepted_tokens == spec_counts.num_draft_tokens > 0
+    else:
+        # p and q differ only by rounding here, so a rejection's residual max(p - q, 0) is
+        # rounding noise: compare with a rerun, not with the host drafter's batch shapes
+        assert _run(llm, prompts, sp) == got
+        assert spec_counts.num_accepted_tokens > 0
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0

@@ -190,7 +190,7 @@ def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head,
         debug_invariants=True,
     )
     eng = llm.engine
-    assert eng.device_drafting is not None and eng.device_drafting.eagle is not None
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
     sp = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     if temperature == 0.0:
