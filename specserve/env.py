@@ -16,7 +16,7 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_OPS | 1 | fused Triton add+RMSNorm, rotary + KV write, silu-and-mul on CUDA |
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
-| SPECSERVE_DEVICE_DRAFTS | 1 | n-gram / golden draft inside the step when overlap is on (0: on the host) |
+| SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 """
 
 from __future__ import annotations

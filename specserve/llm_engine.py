@@ -525,14 +525,7 @@ class LLMEngine:
         admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
         plan_args: dict = {}
         if dd is not None and seqs:
-            kept = [i for i, sm in enumerate(batch.samples) if sm]
-            anchors = [
-                batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept
-            ]
-            hook = dd.step_hook(seqs, anchors, [len(d) for d in drafts])
-            plan_args = dict(
-                device_drafts=True, shifts=[batch.shifts[i] for i in kept], anchor_pos=anchors
-            )
+            hook, plan_args = self._device_drafting_step(batch, seqs, drafts)
         if seqs:
             if worker:  # read from the requests before this thread moves on
                 plan = self.sampler.plan(seqs, drafts, **plan_args)
@@ -565,6 +558,18 @@ class LLMEngine:
                 s.num_pending_drafts += nd
         self.timeline.end()
         return LaunchedStep(batch, seqs, sampled, t0, overlap, self._inflight is not None)
+
+    def _device_drafting_step(
+        self, batch: StepBatch, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple:
+        """A device drafter's part of a step: the drafting hook that runs after its
+        verification, and the sampler plan's arguments (drafts read from the slot pool, rows
+        moved back by the rejections of the step in flight)."""
+        kept = [i for i, sm in enumerate(batch.samples) if sm]
+        anchors = [batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept]
+        hook = self.device_drafting.step_hook(seqs, anchors, [len(d) for d in drafts])
+        shifts = [batch.shifts[i] for i in kept]
+        return hook, dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)
 
     def _read(self, launched: LaunchedStep) -> HostStepResult | None:
         """Wait for a launched step's results (the designed sync point); the drafter learns

@@ -150,6 +150,11 @@ class StepSampler:
         pool: DraftSlotPool | None = None,
     ) -> None:
         self.pool = pool  # device drafters' drafts and per-slot state
+        # device drafters: which of the drafts laid out a step verifies, chosen on the device
+        # from the newest confidences: (survivals [R, k], total draft rows) -> [R] drafts kept
+        # per request (a prefix each; the rest check -1). None: all of them (fixed k). The
+        # verify budget's split plugs in here.
+        self.split_rows: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.device = device
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
@@ -254,6 +259,11 @@ class StepSampler:
             t = dataclasses.replace(t, counter=t.counter - pool.rejected[feed.row_shift])
             gather = (feed.draft_at - 1).clamp_min(0)
             draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
+            if self.split_rows is not None:
+                survivals = pool.draft_conf[plan.slots].cumprod(1)  # [R, k]
+                keep = self.split_rows(survivals, layout.total_q - plan.slots.shape[0])
+                kept = layout.local_step < keep[layout.row_to_req]
+                draft_ids = torch.where(kept, draft_ids, torch.full_like(draft_ids, -1))
             if plan.golden:
                 forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
             if pool.q is not None and draft_probs is None:

@@ -106,6 +106,8 @@ class DeviceDrafting:
         row as laid out, its draft rows): drafts the next step. Host inputs are read now: the
         n-gram confidences (the acceptance seen so far), EAGLE-3's catch-up layout."""
         conf = lay = None
+        # the longest sequence after this step, at most: all drafts accepted
+        bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
             rates = [self.acceptance.global_rates.rate(j) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
@@ -123,7 +125,7 @@ class DeviceDrafting:
                     result.num_accepted,
                     seq_len,
                 )
-                self.ngram.draft(slots, seq_len, conf)
+                self.ngram.draft(slots, seq_len, conf, bound)
             elif self.model_drafter is not None:
                 self.model_drafter.draft(
                     lay, plan, result, seq_len, seq_len - self.prompt_len[slots]

@@ -5,8 +5,8 @@ For each request the last n tokens (n from prompt_lookup_max down to prompt_look
 compared with every earlier window of n tokens of its history; the most recent window that
 matches (ending at e <= len - 1, so the suffix never matches itself) proposes the tokens that
 followed it, history[e : e + k], cut at the end of the history. Tensor ops only: O(n_max^2 *
-R * L) comparisons per step for R requests of history width L (the max_model_len), no host
-sync, capturable in a graph.
+R * L) comparisons per step for R requests whose lengths the host bounds by L, no host
+sync.
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ class NgramDeviceDrafter:
         flat = slots[req] * (self.width + 1) + pos
         self.history.view(-1).scatter_(0, flat, tok)
 
-    def draft(self, slots: torch.Tensor, seq_len: torch.Tensor, conf: torch.Tensor) -> None:
+    def draft(
+        self, slots: torch.Tensor, seq_len: torch.Tensor, conf: torch.Tensor, bound: int
+    ) -> None:
         """Drafts of every request of the step into its pool slot (-1 where none); conf [k]:
-        the confidence of each position (the host's acceptance estimate)."""
-        pool, width = self.pool, self.width
+        the confidence of each position (the host's acceptance estimate); bound: a host bound
+        on the lengths (only that much of the history is scanned)."""
+        pool, width = self.pool, max(1, min(bound, self.width))
         k = pool.draft_ids.shape[1]
         hist = self.history[slots, :width]  # [R, L]
         lens = seq_len.clamp(max=width)

@@ -1,5 +1,7 @@
-"""Speculation inside the engine's step: drafting the next step into the slot pool, the verify
-budget's trim, and pausing speculation while plain overlapped decoding wins.
+"""Host drafting (overlap off, or SPECSERVE_DEVICE_DRAFTS=0): drafting the next step into the
+slot pool after the ledger, the verify budget's trim, and pausing speculation while plain
+overlapped decoding wins. With overlap the drafters draft on the device instead
+(device_drafting.py) and none of this runs.
 
 A host-side drafter needs each step's tokens on the host, so steps that verify drafts run
 synchronously. When the verify budget keeps no drafts at all at the current load, speculation

@@ -141,7 +141,7 @@ def test_device_ngram_proposes_what_the_host_index_proposes(histories, n_min, n_
     for s, h in zip(slots.tolist(), histories):
         drafter.admit(s, torch.tensor(h))
     lens = torch.tensor([len(h) for h in histories])
-    drafter.draft(slots, lens, torch.full((k,), 0.5))
+    drafter.draft(slots, lens, torch.full((k,), 0.5), max(len(h) for h in histories))
     for s, h in zip(slots.tolist(), histories):
         want = NgramIndex(n_min, n_max).propose(h, k)
         got = [t for t in pool.draft_ids[s].tolist() if t >= 0]
@@ -287,3 +287,24 @@ def test_device_draft_model(temperature):
         assert _run(llm, prompts, sp) == got
         assert spec_counts.num_accepted_tokens > 0
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_a_device_split_chooses_which_drafts_are_verified():
+    """The verify budget's device split plugs into StepSampler.split_rows: drafts past each
+    request's share check -1 (never accepted); outputs stay those of speculation off."""
+    prompts = prompts_of([5] * 4, seed=13)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, golden_token_ids=GOLD)
+    want = _run(make_llm(max_num_seqs=4), prompts, sp)
+    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=GOLDEN)
+    seen = []
+
+    def split(survivals, total):  # the first draft of each request only
+        seen.append((tuple(survivals.shape), total))
+        return torch.ones(survivals.shape[0], dtype=torch.int64)
+
+    llm.engine.sampler.split_rows = split
+    assert _run(llm, prompts, sp) == want
+    spec = llm.engine.ledger.spec
+    assert spec.num_accepted_tokens > 0
+    assert len(spec.verified_per_position) == 1  # only first drafts were verified
+    assert all(shape[1] == 4 and total >= 0 for shape, total in seen)
