@@ -69,7 +69,7 @@ class NgramDeviceDrafter:
         start = torch.full_like(lens, -1)
         for n in range(self.n_max, self.n_min - 1, -1):
             at = (lens - n).clamp_min(0).unsqueeze(1) + torch.arange(n, device=hist.device)
-            suffix = hist.gather(1, at)  # [R, n] the last n tokens
+            suffix = hist.gather(1, at.clamp(max=width - 1))  # [R, n] the last n tokens
             match = (ends >= n) & (ends <= (lens - 1).unsqueeze(1)) & (lens >= n).unsqueeze(1)
             for i in range(n):  # window ending at e holds hist[e - n + i] at i
                 lo = self.n_max - n + i
