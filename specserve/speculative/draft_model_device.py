@@ -40,13 +40,18 @@ class DraftModelDeviceDrafter:
         self.block_size = drafter.runner.block_size
         self.device = pool.device
         # the draft KV with one more block: positions a request has no block for yet write there
-        caches = drafter.runner.kv_caches
-        self.trash = caches[0].k.shape[0]
-        grow = (1, *caches[0].k.shape[1:])
-        self.caches = [
-            KVCache(torch.cat([c.k, c.k.new_zeros(grow)]), torch.cat([c.v, c.v.new_zeros(grow)]))
-            for c in caches
-        ]
+        # (allocated anew, the empty ones dropped first: a draft model's KV can be large)
+        like = drafter.runner.kv_caches[0].k
+        num_layers = len(drafter.runner.kv_caches)
+        drafter.runner.kv_caches = []
+        self.trash = like.shape[0]
+        shape, dtype, device = (like.shape[0] + 1, *like.shape[1:]), like.dtype, like.device
+        del like
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.caches = [KVCache(zeros(), zeros()) for _ in range(num_layers)]
         drafter.runner.kv_caches = self.caches
         self._caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
 
