@@ -13,11 +13,20 @@ fix the rest on the device:
 - shift[r] > 0: row r belongs to a request whose in-flight step verified drafts; that step
   rejected rejected[shift[r]] of them, so the row's KV position (its slot mapping, and its
   request's context length) moves back by that many. Slot 0 of `rejected` is 0.
+
+The verification's side (DraftFeed: the same indices over the verify layout) reads the drafts
+and corrects the output indices, and advance_slots writes the per-slot state the next step
+reads: each request's length and the rows this step rejected.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from specserve.engine.slots import DraftSlotPool
+from specserve.sample.layout import RowLayout
 
 
 def feed_ids(
@@ -62,3 +71,47 @@ def shift_context_lens(
     last = (cu_query_lens[1:].to(torch.int64) - 1).clamp_min(0)
     c = torch.where(query_lens > 0, corr[last], torch.zeros_like(corr[last]))
     return context_lens - c.to(context_lens.dtype)
+
+
+class DraftFeed(NamedTuple):
+    """A step whose drafts or positions only the device knows (device drafters, overlap):
+    verify-layout indices into the draft slot pool (runner/device_feed.py for the rows)."""
+
+    draft_at: torch.Tensor  # [total_q] int64, flat pool index + 1 of the draft row r checks; 0
+    row_shift: torch.Tensor  # [total_q] int64, slot whose rejected rows correct row r; 0
+    req_shift: torch.Tensor  # [R] int64, the same per request
+    anchor_pos: torch.Tensor  # [R] int64, KV position of each anchor row as the host laid it
+
+
+def drafted_rows(
+    layout: RowLayout,
+    draft_ids: torch.Tensor,  # [total_q] int64, the draft each verify row checked (-1: none)
+    feed: DraftFeed,
+    draft_conf: torch.Tensor,  # [slots + 1, k] float32, the pool's
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R] drafts each request really verified, [total_q] their confidences), read before
+    the drafter overwrites the pool."""
+    real = (draft_ids >= 0) & layout.is_verify & (feed.draft_at > 0)
+    count = torch.zeros_like(layout.seqlens_q).scatter_add_(
+        0, layout.row_to_req, real.to(layout.seqlens_q.dtype)
+    )
+    conf = draft_conf.view(-1)[(feed.draft_at - 1).clamp_min(0)]
+    return count, torch.where(real, conf, torch.zeros_like(conf))
+
+
+def advance_slots(
+    layout: RowLayout,
+    slots: torch.Tensor,  # [R] int64
+    num_accepted: torch.Tensor,  # [R] int64
+    feed: DraftFeed,
+    pool: DraftSlotPool,
+) -> torch.Tensor:
+    """The pool's per-slot state after a step, on the device: each request's length (its
+    anchor row's true position + accepted drafts + the sampled token) and the verify rows it
+    rejected (the next step, laid out as if all were accepted, moves back by them). Returns
+    the new lengths [R] int64."""
+    anchor = feed.anchor_pos - pool.rejected[feed.req_shift]
+    seq_len = anchor + num_accepted + 2
+    pool.rejected.index_copy_(0, slots, layout.seqlens_q - 1 - num_accepted)
+    pool.seq_len.index_copy_(0, slots, seq_len)
+    return seq_len

@@ -19,6 +19,7 @@ from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
+from specserve.runner.device_feed import DraftFeed, advance_slots, drafted_rows
 from specserve.runner.logits_plan import plan_logits_processing
 from specserve.sample.layout import RowLayout, build_layout
 from specserve.sample.verify import VerifyResult, verify
@@ -38,16 +39,6 @@ class PenaltyInputs(NamedTuple):
     presence: torch.Tensor  # [rows] float32
     frequency: torch.Tensor  # [rows] float32
     repetition: torch.Tensor  # [rows] float32
-
-
-class DraftFeed(NamedTuple):
-    """A step whose drafts or positions only the device knows (device drafters, overlap):
-    verify-layout indices into the draft slot pool (runner/device_feed.py for the rows)."""
-
-    draft_at: torch.Tensor  # [total_q] int64, flat pool index + 1 of the draft row r checks; 0
-    row_shift: torch.Tensor  # [total_q] int64, slot whose rejected rows correct row r; 0
-    req_shift: torch.Tensor  # [R] int64, the same per request
-    anchor_pos: torch.Tensor  # [R] int64, KV position of each anchor row as the host laid it
 
 
 class SamplerPlan(NamedTuple):
@@ -295,8 +286,8 @@ class StepSampler:
             next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
         drafted = None
         if feed is not None:
-            drafted = self._drafted(plan, draft_ids, feed)
-            seq_len = self._advance_slots(plan, result, feed)
+            drafted = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
+            seq_len = advance_slots(layout, plan.slots, result.num_accepted, feed, pool)
             if after_verify is not None:
                 after_verify(plan, result, seq_len)
         lr = None
@@ -309,32 +300,6 @@ class StepSampler:
             lr = compute_logprobs(logits, emitted, plan.num_logprobs)
         seqlens = None if feed is None else plan.seqlens_q
         return SampledStep(result, lr, drafted=drafted, seqlens_q=seqlens)
-
-    def _drafted(
-        self, plan: SamplerPlan, draft_ids: torch.Tensor, feed: DraftFeed
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([R] drafts each request really verified, [total_q] their confidences), read before
-        the drafter overwrites the pool."""
-        layout = plan.layout
-        real = (draft_ids >= 0) & layout.is_verify & (feed.draft_at > 0)
-        count = torch.zeros_like(layout.seqlens_q).scatter_add_(
-            0, layout.row_to_req, real.to(layout.seqlens_q.dtype)
-        )
-        conf = self.pool.draft_conf.view(-1)[(feed.draft_at - 1).clamp_min(0)]
-        return count, torch.where(real, conf, torch.zeros_like(conf))
-
-    def _advance_slots(self, plan: SamplerPlan, result: VerifyResult, feed: DraftFeed):
-        """The pool's per-slot state after this step, on the device: each request's length
-        (its anchor row's true position + accepted drafts + the sampled token) and the verify
-        rows it rejected (the next step, laid out as if all were accepted, moves back by them).
-        Returns the new lengths [R] int64."""
-        pool = self.pool
-        anchor = feed.anchor_pos - pool.rejected[feed.req_shift]
-        seq_len = anchor + result.num_accepted + 2
-        rejected = plan.layout.seqlens_q - 1 - result.num_accepted
-        pool.rejected.index_copy_(0, plan.slots, rejected)
-        pool.seq_len.index_copy_(0, plan.slots, seq_len)
-        return seq_len
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""
