@@ -308,3 +308,23 @@ def test_a_device_split_chooses_which_drafts_are_verified():
     assert spec.num_accepted_tokens > 0
     assert len(spec.verified_per_position) == 1  # only first drafts were verified
     assert all(shape[1] == 4 and total >= 0 for shape, total in seen)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_rows_by_their_true_output_index(temperature):
+    """With drafts in flight the host knows each row's output index only from below: it lays
+    out the mask for the lower bound and the device keeps the rows still under min_tokens. A
+    stop list covering most of the vocabulary ends each request right at min_tokens."""
+    prompts = [[101, 102, 103, 104] * 6, [7, 8, 9] * 5] + prompts_of([9], seed=2)
+    sp = SamplingParams(
+        temperature=temperature,
+        seed=5,
+        max_tokens=30,
+        min_tokens=7,
+        stop_token_ids=list(range(3, 40000)),
+    )
+    want = _run(make_llm(max_num_seqs=4), prompts, sp)
+    for spec in (NGRAM, GOLDEN):
+        llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=spec)
+        assert _run(llm, prompts, sp) == want
+    assert all(len(o) >= 7 for o, _, _ in want)
