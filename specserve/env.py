@@ -17,6 +17,7 @@ restores the previous values on exit:
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
+| SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Settings:
     pdl: bool
     fused_verify: bool
     tp_timeout: float
+    device_drafts: bool
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -56,6 +58,7 @@ class Settings:
             pdl=_flag(environ, "SPECSERVE_PDL"),
             fused_verify=_flag(environ, "SPECSERVE_FUSED_VERIFY"),
             tp_timeout=float(environ.get("SPECSERVE_TP_TIMEOUT") or 300),
+            device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
         )
 
 

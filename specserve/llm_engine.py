@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from specserve import env
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError, start_tensor_parallel
 from specserve.engine.block_manager import BlockManager
@@ -31,6 +32,7 @@ from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import SampledStep, StepSampler
 from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
+from specserve.speculative.device_drafting import DEVICE_METHODS, DeviceDrafting
 from specserve.speculative.drafter import build_drafter
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.verify_budget import VerifyBudget
@@ -118,12 +120,19 @@ class LLMEngine:
         self.num_kv_blocks = num_blocks
         self.target_model = loaded.model
         spec = config.speculative_config
-        self.drafter = build_drafter(spec, self) if spec else None
-        # Overlap needs each step's tokens only on the device; a host-side drafter needs them on
-        # the host before it can draft the next step. So with a drafter only the steps that
-        # verify drafts run synchronously; the others overlap (the verify budget kept no drafts,
-        # or nothing to draft: Speculator.may_overlap).
         want = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        # Device drafters (n-gram, golden) draft inside the step, so overlap holds with
+        # speculation on; they run with overlap (on CPU too, with the forward in the worker).
+        # Host drafters (draft model, EAGLE-3) need each step's tokens on the host before they
+        # draft the next: with them only the steps that verify no drafts overlap (the verify
+        # budget pausing speculation at high load, or nothing to draft: Speculator.may_overlap).
+        on_device = (
+            spec is not None
+            and want
+            and spec.method in DEVICE_METHODS
+            and env.settings.device_drafts
+        )
+        self.drafter = build_drafter(spec, self) if spec and not on_device else None
         self.overlap = want and self.drafter is None
         self.overlap_when_paused = want and self.drafter is not None
         # one slot per running request: drafts live there, and so does the token each request
@@ -133,10 +142,18 @@ class LLMEngine:
                 config.max_num_seqs,
                 k,
                 mc.vocab_size,
-                self.drafter is not None and self.drafter.has_q,
+                (self.drafter is not None and self.drafter.has_q)
+                or (on_device and spec.method in ("eagle3", "draft_model")),
                 self.device,
             )
             if spec or want
+            else None
+        )
+        self.device_drafting = (
+            DeviceDrafting(
+                spec, self.slot_pool, mc.vocab_size, config.seed, self.max_model_len, self
+            )
+            if on_device
             else None
         )
         self.runner = (self.tp.runner if self.tp else ModelRunner)(
@@ -149,6 +166,8 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.max_num_seqs,
+            self.slot_pool.draft_ids if self.slot_pool is not None else None,
+            self.slot_pool.rejected if self.slot_pool is not None else None,
         )
         # Before the verify budget's calibration below, so the step-cost curve times the graphs.
         self.runner.init_cuda_graphs(
@@ -173,6 +192,9 @@ class LLMEngine:
             self.max_num_batched_tokens,
             self.max_model_len,
             self.slot_pool,
+            device_drafts=self.device_drafting is not None,
+            # a model drafter's chain writes its own KV k - 1 positions past the verified rows
+            lookahead=k - 1 if self.device_drafting and self.device_drafting.model_drafter else 0,
         )
         # two steps of outputs live at once, each at most every row of a step plus the requests
         # that end without a token in it (aborts, prompt too long)
@@ -181,7 +203,7 @@ class LLMEngine:
         )
         self.pool = OutputPool(cap)
         self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
-        self.sampler = StepSampler(self.device, eos, self.model_config.vocab_size)
+        self.sampler = StepSampler(self.device, eos, mc.vocab_size, self.slot_pool)
         # structured outputs: xgrammar is set up at the first request that needs it
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
         self.requests: dict[str, Sequence] = {}
@@ -212,7 +234,7 @@ class LLMEngine:
         self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
         self.budget = (
             VerifyBudget.for_engine(self, cache_dir() if config.cache_step_cost else None)
-            if spec is not None and spec.verify_budget == "auto"
+            if self.drafter is not None and spec.verify_budget == "auto"
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
@@ -321,6 +343,8 @@ class LLMEngine:
             self._num_penalized -= seq.params.reads_output_tokens
             if self.drafter is not None:
                 self.drafter.release(seq)
+            if self.device_drafting is not None:
+                self.device_drafting.release(seq)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -491,27 +515,35 @@ class LLMEngine:
     def _launch(self, batch: StepBatch, overlap: bool) -> LaunchedStep:
         """Queue the step's forward and verification on the device; nothing waits for it."""
         t0 = time.perf_counter()
-        assert not (overlap and any(batch.num_drafts)), "drafts need the synchronous path"
+        dd = self.device_drafting
+        assert not (overlap and any(batch.num_drafts) and dd is None), "host drafts need sync"
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
         self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
         inputs = self.runner.prepare(batch)
-        plan = draft_q = None
+        plan = draft_q = hook = None
         drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
         worker = overlap and self._worker is not None
+        admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
+        plan_args: dict = {}
+        if dd is not None and seqs:
+            hook, plan_args = self._device_drafting_step(batch, seqs, drafts)
         if seqs:
             if worker:  # read from the requests before this thread moves on
-                plan = self.sampler.plan(seqs, drafts)
+                plan = self.sampler.plan(seqs, drafts, **plan_args)
             draft_q = self.speculator.draft_q(seqs, drafts) if self.speculator else None
-        next_tokens = self.runner.next_tokens if overlap else None
+        # the token each request sampled: the next overlapped step (or drafting step) reads it
+        next_tokens = self.runner.next_tokens if overlap or dd is not None else None
 
         def device_part() -> SampledStep | None:
+            if admitted:
+                dd.apply(admitted)
             logits = self.runner.forward(inputs)
             if not seqs:
                 return None
             # in this thread the plan (grammar bitmasks: host work) is built while the device
             # runs the forward just queued
-            p = plan if plan is not None else self.sampler.plan(seqs, drafts)
-            return self.sampler.execute(p, logits, draft_q, next_tokens)
+            p = plan if plan is not None else self.sampler.plan(seqs, drafts, **plan_args)
+            return self.sampler.execute(p, logits, draft_q, next_tokens, hook)
 
         if worker:
             # CPU: the forward runs in the worker while this thread runs the ledger of the
@@ -522,10 +554,23 @@ class LLMEngine:
         else:
             sampled = device_part()
         if overlap:
-            for s in seqs:
+            for s, nd in zip(seqs, (len(d) for d in drafts)):
                 s.num_pending += 1
+                s.num_pending_drafts += nd
         self.timeline.end()
         return LaunchedStep(batch, seqs, sampled, t0, overlap, self._inflight is not None)
+
+    def _device_drafting_step(
+        self, batch: StepBatch, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple:
+        """A device drafter's part of a step: the drafting hook that runs after its
+        verification, and the sampler plan's arguments (drafts read from the slot pool, rows
+        moved back by the rejections of the step in flight)."""
+        kept = [i for i, sm in enumerate(batch.samples) if sm]
+        anchors = [batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept]
+        hook = self.device_drafting.step_hook(seqs, anchors, [len(d) for d in drafts])
+        shifts = [batch.shifts[i] for i in kept]
+        return hook, dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)
 
     def _read(self, launched: LaunchedStep) -> HostStepResult | None:
         """Wait for a launched step's results (the designed sync point); the drafter learns
@@ -539,6 +584,8 @@ class LLMEngine:
             self._time_step(launched)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
+        if self.device_drafting is not None and host is not None:
+            self.device_drafting.observe(seqs, host)
         return host
 
     def _time_step(self, launched: LaunchedStep) -> None:

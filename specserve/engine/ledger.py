@@ -34,6 +34,9 @@ class HostStepResult(NamedTuple):
     top_ids: list[list[int]] | None  # [total_q][n]
     top_logprobs: list[list[float]] | None  # [total_q][n]
     draft_confidences: list[list[float]] | None = None  # [R][drafts]
+    # device drafters: drafts each request really had (its verify rows past them checked -1);
+    # None = every verify row checked a draft
+    num_real_drafts: list[int] | None = None  # [R]
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Ledger:
         after each, commit its KV ledger, finish it on a stop; its outputs, in order."""
         outputs: list[TokenOutput] = []
         seq.num_pending = max(0, seq.num_pending - 1)
+        seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
         accepted = res.num_accepted[r]
         tokens = res.verified_token_ids[row : row + accepted]
         tokens.append(res.sampled_token_ids[r])
@@ -182,15 +186,16 @@ class Ledger:
             self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
         self.num_generated_tokens += pushed
         emitted_drafts = min(accepted, pushed)
-        seq.spec.num_drafts += nd > 0
-        seq.spec.num_draft_tokens += nd
+        drafted = nd if res.num_real_drafts is None else res.num_real_drafts[r]
+        seq.spec.num_drafts += drafted > 0
+        seq.spec.num_draft_tokens += drafted
         seq.spec.num_accepted_tokens += emitted_drafts
-        self.spec.record(nd, emitted_drafts)
+        self.spec.record(drafted, emitted_drafts)
         if seq.first_token_time is None:
             seq.first_token_time = now
         anchor = outputs[-1]
         anchor.is_anchor = True
-        anchor.draft_tok, anchor.accept_tok = nd, emitted_drafts
+        anchor.draft_tok, anchor.accept_tok = drafted, emitted_drafts
         if res.draft_confidences is not None:
             anchor.draft_confidences = res.draft_confidences[r]
         if stop is not None:

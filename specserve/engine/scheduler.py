@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.engine.block_manager import BlockManager
+from specserve.engine.draft_rows import draft_rows
 from specserve.engine.sequence import FinishReason, SeqStatus, Sequence
 from specserve.engine.slots import DraftSlotPool
 
@@ -26,6 +27,12 @@ class StepBatch:
     starts: list[int] = field(default_factory=list)  # KV position of each request's first row
     epochs: list[int] = field(default_factory=list)  # seq.epoch when scheduled
     preempted: list[Sequence] = field(default_factory=list)
+    # device drafters: the drafts of each request are read from the slot pool on the device
+    # (drafts[i] holds -1 placeholders), and shifts[i] says its rows start after drafts still in
+    # flight (the device moves them back by the rows that step rejected)
+    device_drafts: bool = False
+    shifts: list[bool] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # given a slot in this step
 
     @property
     def num_rows(self) -> int:
@@ -56,9 +63,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         slot_pool: DraftSlotPool | None = None,
+        device_drafts: bool = False,
+        lookahead: int = 0,
     ) -> None:
         self.bm = block_manager
         self.slots = slot_pool
+        self.device_drafts = device_drafts
+        # positions past a decode request's rows a device drafter writes its own KV at (blocks
+        # grown for them when free; a request short of them drafts into padding, lossless)
+        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -112,6 +125,7 @@ class Scheduler:
         # a step in flight for it pushes nothing: its pending token is sampled again after the
         # recompute (same RNG counter, so the same token)
         seq.num_pending = 0
+        seq.num_pending_drafts = 0
         seq.epoch += 1
         self.waiting.appendleft(seq)
 
@@ -122,7 +136,7 @@ class Scheduler:
         only: request ids; a step of just these (the engine's fault isolation), the others
         wait (they may still be preempted to make room)."""
         self.step_id += 1
-        batch = StepBatch(self.step_id, [], [], [], [], [])
+        batch = StepBatch(self.step_id, [], [], [], [], [], device_drafts=self.device_drafts)
         budget = self.max_num_batched_tokens
 
         idx = 0
@@ -135,8 +149,12 @@ class Scheduler:
                 idx += 1  # finishes when the ledger reads its step in flight: nothing to run
                 continue
             remaining = seq.num_uncomputed_tokens
-            d: list[int] = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []
-            if d:
+            if self.device_drafts:
+                nd = draft_rows(seq, self.slots.k, budget, self.max_model_len)
+                d: list[int] = [-1] * nd if remaining == 1 else []
+            else:
+                d = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []
+            if d and not self.device_drafts:
                 # drafts never push the sequence past max_model_len, max_tokens or the budget
                 room = min(budget - 1, self.max_model_len - seq.num_tokens)
                 if seq.params.max_tokens is not None:
@@ -182,6 +200,7 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 if self.slots is not None:
                     seq.slot = self.slots.allocate()
+                    batch.admitted.append(seq)
                 self.running.append(seq)
                 self._add_to_batch(batch, seq, rows, [])
                 budget -= rows
@@ -200,13 +219,14 @@ class Scheduler:
         (and where a draft model's KV for those positions still is); finishing frees them.
         Roll back the newest step first when several are undone. undo_pending: the step was
         launched overlapped, so it counted one pending token for each request it samples."""
-        for seq, start, epoch, samples in zip(
-            batch.seqs, batch.starts, batch.epochs, batch.samples
+        for seq, start, epoch, samples, nd in zip(
+            batch.seqs, batch.starts, batch.epochs, batch.samples, batch.num_drafts
         ):
             if seq.is_finished or seq.epoch != epoch:
                 continue  # finished or preempted since: its KV went with its blocks
             if undo_pending and samples:
                 seq.num_pending = max(0, seq.num_pending - 1)
+                seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
             seq.num_computed_tokens = start
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
@@ -230,7 +250,13 @@ class Scheduler:
 
     def _add_to_batch(self, batch: StepBatch, seq: Sequence, rows: int, drafts: list[int]) -> None:
         self.bm.allocate(seq.block_table, seq.num_computed_tokens + rows)
-        samples = seq.num_computed_tokens + rows - len(drafts) == seq.num_tokens + seq.num_pending
+        ahead = seq.num_computed_tokens + rows + self.lookahead
+        if self.lookahead and self.bm.can_allocate(seq.block_table, ahead):
+            self.bm.allocate(seq.block_table, ahead)
+        samples = seq.num_computed_tokens + rows - len(drafts) == (
+            seq.num_tokens + seq.num_pending + seq.num_pending_drafts
+        )
+        batch.shifts.append(seq.num_pending_drafts > 0)
         batch.starts.append(seq.num_computed_tokens)
         batch.epochs.append(seq.epoch)
         seq.advance_optimistically(rows)

@@ -54,6 +54,10 @@ class Sequence:
     # (their ids live on the device meanwhile), and a counter bumped at each preemption so the
     # ledger can tell a step scheduled before the preemption from one after it.
     num_pending: int = 0
+    # Device drafters under overlap: drafts the steps in flight verify. The host schedules as
+    # if all were accepted (an upper bound on the tokens pending); the ledger, reading the step
+    # back, takes them off again, and the device shifts the next step by the rows rejected.
+    num_pending_drafts: int = 0
     epoch: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # finish_reason error: what failed, as text
@@ -94,7 +98,9 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is still to be written (pending ones included); the last one is fed as
         this step's anchor row."""
-        return self.num_tokens + self.num_pending - self.num_computed_tokens
+        return (
+            self.num_tokens + self.num_pending + self.num_pending_drafts - self.num_computed_tokens
+        )
 
     def advance_optimistically(self, num_rows: int) -> None:
         self.num_computed_tokens += num_rows

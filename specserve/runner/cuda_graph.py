@@ -33,10 +33,12 @@ import torch
 from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
+from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 
 # Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
 # an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
 MAX_CAPTURE_ROWS = 512
+_I64_ARRAYS = 7  # ids, positions, slots, pending, draft_at, shift, row_req
 
 
 def capture_sizes(max_rows: int, cap: int = MAX_CAPTURE_ROWS) -> list[int]:
@@ -83,15 +85,15 @@ class CudaGraphBackend:
 
 class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
-    device, so one copy moves them all: int64 ids | positions | slots | pending [Tb each], then
-    int32 query_lens [Bb] | cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block
-    tables of the step's real requests, compact [B, w] (scattered into the [Bb, W] table on the
-    device). pending[r] > 0: row r's token is still on the device (overlap scheduling), read
-    from next_tokens[pending[r]] inside the graph."""
+    device, so one copy moves them all: int64 ids | positions | slots | pending | draft_at |
+    shift | row_req [Tb each], then int32 query_lens [Bb] | cu_query_lens [Bb + 1] |
+    context_lens [Bb], then the int32 block tables of the step's real requests, compact [B, w]
+    (scattered into the [Bb, W] table on the device). pending, draft_at and shift are the
+    device-side inputs of overlap scheduling (device_feed.py), applied inside the graph."""
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.i32_at = 32 * rows
+        self.i32_at = 8 * _I64_ARRAYS * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
         self.max_bytes = self.bt_at + 4 * reqs * width
 
@@ -100,10 +102,7 @@ class _Layout:
         a = buf[: self.i32_at].view(i64)
         c = buf[self.i32_at : self.bt_at].view(i32)
         return (
-            a[:t],
-            a[t : 2 * t],
-            a[2 * t : 3 * t],
-            a[3 * t :],
+            *(a[i * t : (i + 1) * t] for i in range(_I64_ARRAYS)),
             c[:b],
             c[b : 2 * b + 1],
             c[2 * b + 1 :],
@@ -118,6 +117,9 @@ class _Bucket:
     positions: torch.Tensor  # [Tb] int64
     slots: torch.Tensor  # [Tb] int64, -1 on padding rows
     pending: torch.Tensor  # [Tb] int64, slot whose next token feeds the row; 0 = ids[r]
+    draft_at: torch.Tensor  # [Tb] int64, flat draft pool index + 1 fed at the row; 0 = ids[r]
+    shift: torch.Tensor  # [Tb] int64, slot whose rejected rows move the row back; 0 = none
+    row_req: torch.Tensor  # [Tb] int64, request of each row (0 on padding rows)
     query_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
     cu_query_lens: torch.Tensor  # [Bb + 1] int32, flat (= T) after the real requests
     context_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
@@ -158,9 +160,12 @@ class DecodeGraphs:
         hidden_size: int,
         dtype: torch.dtype,  # of the model's hidden states
         next_tokens: torch.Tensor,  # [slots] int64, the runner's device-resident sampled tokens
+        draft_ids: torch.Tensor,  # [(slots + 1) * k] int64, the draft slot pool's (flat)
+        rejected: torch.Tensor,  # [slots + 1] int64, the draft slot pool's
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.next_tokens = next_tokens
+        self.draft_ids, self.rejected = draft_ids, rejected
         self.block_size = block_size
         self.max_query_len = max_rows_per_seq
         # Rows may run up to k positions past max_model_len while verifying near the end.
@@ -224,6 +229,9 @@ class DecodeGraphs:
         b.positions.zero_()
         b.slots.fill_(-1)
         b.pending.zero_()
+        b.draft_at.zero_()
+        b.shift.zero_()
+        b.row_req.zero_()
         b.query_lens.zero_()
         b.cu_query_lens.zero_()
         b.context_lens.zero_()
@@ -232,17 +240,21 @@ class DecodeGraphs:
         return b.max_query_len > 1 and b.rows <= self.max_num_seqs
 
     def _forward_bucket(self, b: _Bucket, decode: bool = False) -> torch.Tensor:  # [Tb, hidden]
+        bt = self._bt[: b.layout.reqs]
+        ids = feed_ids(b.ids, b.pending, b.draft_at, self.next_tokens, self.draft_ids)
+        pos, slots, corr = shift_rows(
+            b.positions, b.slots, b.shift, b.row_req, bt, self.block_size, self.rejected
+        )
         ctx = ForwardContext(
             query_lens=b.query_lens,
             cu_query_lens=b.cu_query_lens,
-            context_lens=b.context_lens,
-            block_tables=self._bt[: b.layout.reqs],
-            slot_mapping=b.slots,
+            context_lens=shift_context_lens(b.context_lens, b.cu_query_lens, b.query_lens, corr),
+            block_tables=bt,
+            slot_mapping=slots,
             max_query_len=1 if decode else b.max_query_len,
             max_context_len=self.max_context_len,
         )
-        ids = torch.where(b.pending > 0, self.next_tokens[b.pending], b.ids)
-        return self.model(ids, b.positions, self.kv_caches, ctx)
+        return self.model(ids, pos, self.kv_caches, ctx)
 
     # -- one step -----------------------------------------------------------------------------
     def prepare(
@@ -251,6 +263,8 @@ class DecodeGraphs:
         starts: Sequence[int],
         tables: Sequence[list[int]],
         pending: np.ndarray | None = None,  # [T] int64, see _Layout
+        draft_at: np.ndarray | None = None,  # [T] int64, see _Layout
+        shift: np.ndarray | None = None,  # [T] int64, see _Layout
     ) -> BucketStep | None:
         """Host layout of a step whose every row wants logits, or None if it is not eligible."""
         nreq = len(rows)
@@ -264,7 +278,7 @@ class DecodeGraphs:
             return None
         lay = b.layout
         packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
-        ids, pos, slots, pend, q, cu, ctx = lay.split(packed, np.int64, np.int32)
+        ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
         bt.fill(0)
         for i, blocks in enumerate(tables):
@@ -279,8 +293,10 @@ class DecodeGraphs:
         bs = self.block_size
         slots[:t] = bt[req, p // bs].astype(np.int64) * bs + p % bs
         ids[t:], pos[t:], slots[t:] = 0, 0, -1
-        pend[:t] = 0 if pending is None else pending
-        pend[t:] = 0
+        for dst, src in ((pend, pending), (at, draft_at), (sh, shift)):
+            dst[:t] = 0 if src is None else src
+            dst[t:] = 0
+        rr[:t], rr[t:] = req, 0
         q[:nreq], q[nreq:] = qlens, 0
         cu[: nreq + 1], cu[nreq + 1 :] = cum, t
         ctx[:nreq], ctx[nreq:] = start + qlens, 0

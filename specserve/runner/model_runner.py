@@ -7,6 +7,7 @@ step on CPU, runs the eager path below.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -17,6 +18,7 @@ from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
+from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 from specserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, score_prompt_rows
 
 
@@ -29,6 +31,10 @@ class StepInputs(NamedTuple):
     # forward(), not when the inputs are built: the step in flight may not have written it yet.
     pending: torch.Tensor | None = None
     prompt: PromptRows | None = None  # prompt rows to score (requests asking prompt_logprobs)
+    # device drafts and the in-flight step's rejections (device_feed.py), [T] int64 each
+    draft_at: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    row_req: torch.Tensor | None = None  # [T] int64, with shift
 
 
 def kv_bytes_per_block(
@@ -56,12 +62,25 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_num_seqs: int = 256,
+        draft_ids: torch.Tensor | None = None,  # [slots + 1, k] int64, the slot pool's
+        rejected: torch.Tensor | None = None,  # [slots + 1] int64, the slot pool's
     ) -> None:
         self.model = model
         # [slots] the token each request sampled in its latest step, indexed by its slot (0 =
         # padding): under overlap scheduling the next step reads its anchor token from here
         # before the host has seen it.
         self.next_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
+        # device drafters: the drafts the next step feeds and the rows the step in flight
+        # rejected, both indexed by slot (device_feed.py); zeros when there is no pool
+        if draft_ids is None:
+            draft_ids = torch.full((max_num_seqs + 1, 1), -1, dtype=torch.int64, device=device)
+        self.draft_width = draft_ids.shape[1]
+        self.draft_ids = draft_ids.view(-1)
+        self.rejected = (
+            rejected
+            if rejected is not None
+            else torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
+        )
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -102,6 +121,8 @@ class ModelRunner:
             self.model.config.hidden_size,
             self.dtype,
             self.next_tokens,
+            self.draft_ids,
+            self.rejected,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
@@ -130,12 +151,16 @@ class ModelRunner:
     def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
         rows, tables, num_logits = [], [], []
         pending: np.ndarray | None = None
+        draft_at: np.ndarray | None = None
+        shift: np.ndarray | None = None
+        shifts = batch.shifts or [False] * len(batch.seqs)
+        k = self.draft_width
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         spans: list[tuple[PromptLogprobs, int, int]] = []
         offset = 0
-        for seq, start, qlen, d, samples in zip(
-            batch.seqs, batch.starts, batch.query_lens, batch.drafts, batch.samples
+        for seq, start, qlen, d, samples, shifted in zip(
+            batch.seqs, batch.starts, batch.query_lens, batch.drafts, batch.samples, shifts
         ):
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 # this chunk feeds prompt rows that predict prompt tokens: score them
@@ -157,6 +182,16 @@ class ModelRunner:
                     pending = np.zeros(batch.num_rows, dtype=np.int64)
                 pending[offset + len(toks)] = seq.slot
                 toks.append(0)
+            if d and batch.device_drafts:
+                if draft_at is None:
+                    draft_at = np.zeros(batch.num_rows, dtype=np.int64)
+                at = offset + len(toks)
+                draft_at[at : at + len(d)] = np.arange(1, len(d) + 1) + seq.slot * k
+                d = [0] * len(d)
+            if shifted:
+                if shift is None:
+                    shift = np.zeros(batch.num_rows, dtype=np.int64)
+                shift[offset : offset + qlen] = seq.slot
             rows.append(toks + d if d else toks)
             tables.append(seq.block_table.blocks)
             num_logits.append(1 + len(d) if samples else 0)
@@ -169,7 +204,9 @@ class ModelRunner:
                 max(state.num_top for state, _, _ in spans),
                 spans,
             )
-        return self.prepare_rows(rows, batch.starts, tables, num_logits, pending, prompt)
+        return self.prepare_rows(
+            rows, batch.starts, tables, num_logits, pending, prompt, draft_at, shift
+        )
 
     def prepare_rows(
         self,
@@ -179,6 +216,8 @@ class ModelRunner:
         num_logits: list[int],
         pending: np.ndarray | None = None,  # [T] int64: slot whose next token feeds the row, 0
         prompt: PromptRows | None = None,
+        draft_at: np.ndarray | None = None,  # [T] int64: flat draft pool index + 1, 0
+        shift: np.ndarray | None = None,  # [T] int64: slot whose rejected rows shift it, 0
     ) -> StepInputs | BucketStep:
         """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
         num_logits[i] rows; `prompt` rows are scored for prompt logprobs (eager steps only)."""
@@ -187,7 +226,7 @@ class ModelRunner:
             and prompt is None
             and all(n == len(r) for n, r in zip(num_logits, rows))
         ):
-            step = self.graphs.prepare(rows, starts, tables, pending)
+            step = self.graphs.prepare(rows, starts, tables, pending, draft_at, shift)
             if step is not None:
                 return step
         bs = self.block_size
@@ -231,17 +270,40 @@ class ModelRunner:
         ids = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=sum(qlens))
         lr = np.concatenate(logit_rows) if logit_rows else np.zeros(0, dtype=np.int64)
         src = t(pending) if pending is not None else None
-        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src, prompt)
+        at = t(draft_at) if draft_at is not None else None
+        sh = rr = None
+        if shift is not None:
+            sh = t(shift)
+            rr = t(np.repeat(np.arange(len(qlens), dtype=np.int64), qlens))
+        return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src, prompt, at, sh, rr)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:
         """Logits [total_q, V] of the verify layout's rows (float32)."""
         if isinstance(inputs, BucketStep):
             return self.graphs.run(inputs)
-        ids = inputs.input_ids
-        if inputs.pending is not None:
-            ids = torch.where(inputs.pending > 0, self.next_tokens[inputs.pending], ids)
-        hidden = self.model(ids, inputs.positions, self.kv_caches, inputs.ctx)
+        ids = feed_ids(
+            inputs.input_ids, inputs.pending, inputs.draft_at, self.next_tokens, self.draft_ids
+        )
+        positions, ctx = inputs.positions, inputs.ctx
+        if inputs.shift is not None:
+            positions, slot_mapping, corr = shift_rows(
+                positions,
+                ctx.slot_mapping,
+                inputs.shift,
+                inputs.row_req,
+                ctx.block_tables,
+                self.block_size,
+                self.rejected,
+            )
+            context_lens = shift_context_lens(
+                ctx.context_lens, ctx.cu_query_lens, ctx.query_lens, corr
+            )
+            # the host lengths are upper bounds now: the CPU attention reads the tensor
+            ctx = dataclasses.replace(
+                ctx, slot_mapping=slot_mapping, context_lens=context_lens, context_lens_cpu=None
+            )
+        hidden = self.model(ids, positions, self.kv_caches, ctx)
         if inputs.prompt is not None:
             score_prompt_rows(self.model.compute_logits, hidden, inputs.prompt)
         if inputs.logit_rows.numel() == 0:

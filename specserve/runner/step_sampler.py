@@ -4,6 +4,8 @@ min_tokens masking, verification and logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -11,11 +13,13 @@ import torch
 
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
+from specserve.engine.slots import DraftSlotPool
 from specserve.ops.logits_processing import LogitsProcessing, apply_logits_processing
 from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
+from specserve.runner.device_feed import DraftFeed, advance_slots, drafted_rows
 from specserve.runner.logits_plan import plan_logits_processing
 from specserve.sample.layout import RowLayout, build_layout
 from specserve.sample.verify import VerifyResult, verify
@@ -49,6 +53,12 @@ class SamplerPlan(NamedTuple):
     slots: torch.Tensor  # [R] int64, each request's slot (for next_tokens)
     num_logprobs: int | None  # top-N to compute, None = no request wants logprobs
     processing: LogitsProcessing | None = None  # logit_bias / allowed_token_ids / bad_words
+    feed: DraftFeed | None = None  # device drafts / positions (None: the host knows them all)
+    # [pairs] int64: the min_tokens of each (row, col) of min_tokens_mask, when the step's
+    # output indices are upper bounds (feed): the device masks only rows still below it
+    min_tokens_limit: torch.Tensor | None = None
+    golden: bool = False  # some request has golden tokens (read from the device table: feed)
+    seqlens_q: list[int] | None = None  # host copy of the layout's rows per request
 
 
 class SampledStep:
@@ -60,6 +70,8 @@ class SampledStep:
         result: VerifyResult,
         logprobs: LogprobsResult | None,
         draft_confidences: list[list[float]] | None = None,
+        drafted: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seqlens_q: list[int] | None = None,  # with drafted: the step's rows per request
     ) -> None:
         self.result = result
         self.total_q = result.verified_token_ids.shape[0]
@@ -73,7 +85,15 @@ class SampledStep:
                 result.num_accepted,
             ]
         )
+        # drafted: ([R] int64 drafts each request really verified, [total_q] float32 confidence
+        # of the draft at each verify row), for a step of device drafts
+        self.has_drafted = drafted is not None
+        self.seqlens_q = seqlens_q
+        if drafted is not None:
+            ints = torch.cat([ints, drafted[0]])
         parts = [ints]
+        if drafted is not None:
+            parts.append(drafted[1])
         if logprobs is not None:
             lp = logprobs
             parts += [lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs]
@@ -86,23 +106,46 @@ class SampledStep:
             ints = host[0].tolist()
             t, r = self.total_q, self.num_reqs
             lp = ranks = top_ids = top_lps = None
-            if len(host) > 1:
-                lp, ranks, top_ids, top_lps = (x.tolist() for x in host[1:])
+            confs, real = self.draft_confidences, None
+            rest = host[1:]
+            if self.has_drafted:
+                real = ints[t + 2 * r :]
+                per_row = rest[0].tolist()
+                confs, at = [], 0
+                for n, rows in zip(real, self.seqlens_q):  # a request's real drafts come first
+                    confs.append(per_row[at : at + n])
+                    at += rows
+                rest = rest[1:]
+            if rest:
+                lp, ranks, top_ids, top_lps = (x.tolist() for x in rest)
             self._host = HostStepResult(
                 ints[:t],
                 ints[t : t + r],
-                ints[t + r :],
+                ints[t + r : t + 2 * r],
                 lp,
                 ranks,
                 top_ids,
                 top_lps,
-                self.draft_confidences,
+                confs,
+                real,
             )
         return self._host
 
 
 class StepSampler:
-    def __init__(self, device: torch.device, eos_ids: frozenset[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+        pool: DraftSlotPool | None = None,
+    ) -> None:
+        self.pool = pool  # device drafters' drafts and per-slot state
+        # device drafters: which of the drafts laid out a step verifies, chosen on the device
+        # from the newest confidences: (survivals [R, k], total draft rows) -> [R] drafts kept
+        # per request (a prefix each; the rest check -1). None: all of them (fixed k). The
+        # verify budget's split plugs in here.
+        self.split_rows: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.device = device
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
@@ -111,16 +154,28 @@ class StepSampler:
         t = h2d(seqlens_q, torch.int64, self.device)
         return build_layout(t, sum(seqlens_q), max(seqlens_q) - 1)
 
-    def plan(self, seqs: list[Sequence], drafts: list[list[int]]) -> SamplerPlan:
+    def plan(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        device_drafts: bool = False,
+        shifts: list[bool] | None = None,
+        anchor_pos: list[int] | None = None,
+    ) -> SamplerPlan:
         """Everything the verification needs from the host, read from the requests now (so the
         device part may run later, e.g. in a worker thread, while the ledger moves on). A
         request's output index counts its pending tokens (overlap scheduling: the step in flight
-        appends them), so RNG counters, min_tokens and golden tokens see the right position."""
+        appends them), so RNG counters, min_tokens and golden tokens see the right position.
+
+        With a device drafter (device_drafts) drafts[i] are placeholders for the slot pool's,
+        and a request with shifts[i] has drafts in flight: its output index counts them as
+        accepted, and the device takes off the ones its step rejected (DraftFeed). anchor_pos:
+        the KV position of each request's anchor row as laid out (device drafters only)."""
         seqlens_q = [1 + len(d) for d in drafts]
         row_params, row_seeds, row_counters = [], [], []
         draft_rows: list[int] = []
         for seq, d in zip(seqs, drafts):
-            n_out = seq.num_output_tokens + seq.num_pending
+            n_out = seq.num_output_tokens + seq.num_pending + seq.num_pending_drafts
             for j in range(len(d) + 1):
                 row_params.append(seq.params)
                 row_seeds.append(seq.seed)
@@ -132,17 +187,48 @@ class StepSampler:
             assert not any(s.num_pending for s in seqs), "penalties need every output token"
             penalties = self._penalty_inputs(seqs, drafts)
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        feed = None
+        shifted = shifts is not None and any(shifts)
+        if device_drafts:
+            feed = self._feed(seqs, drafts, shifts or [False] * len(seqs), anchor_pos)
+        golden = shifted and any(s.params.golden_token_ids is not None for s in seqs)
+        mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
         return SamplerPlan(
             self.layout(seqlens_q),
             SamplingTensors.build(row_params, row_seeds, row_counters, self.device),
             h2d(draft_rows, torch.int64, self.device),
             penalties,
-            self._min_tokens_mask(seqs, drafts),
-            self._forced(seqs, drafts),
+            mask,
+            None if golden else self._forced(seqs, drafts),
             h2d([s.slot for s in seqs], torch.int64, self.device),
             max(want) if want else None,
             plan_logits_processing(seqs, drafts, self.device),
+            feed,
+            limit,
+            golden,
+            seqlens_q,
         )
+
+    def _feed(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        shifts: list[bool],
+        anchor_pos: list[int] | None,
+    ) -> DraftFeed:
+        k = self.pool.k if self.pool is not None else 0
+        at: list[int] = []
+        row_shift: list[int] = []
+        for seq, d, sh in zip(seqs, drafts, shifts):
+            at.extend(seq.slot * k + j + 1 for j in range(len(d)))
+            at.append(0)
+            row_shift.extend([seq.slot if sh else 0] * (len(d) + 1))
+        req_shift = [s.slot if sh else 0 for s, sh in zip(seqs, shifts)]
+
+        def i64(x: list[int]) -> torch.Tensor:
+            return h2d(x, torch.int64, self.device)
+
+        return DraftFeed(i64(at), i64(row_shift), i64(req_shift), i64(anchor_pos or []))
 
     def execute(
         self,
@@ -150,9 +236,33 @@ class StepSampler:
         logits: torch.Tensor,  # [total_q, V]
         draft_probs: torch.Tensor | None = None,  # [total_q, V]
         next_tokens: torch.Tensor | None = None,  # [slots] int64
+        after_verify: Callable[[SamplerPlan, VerifyResult, torch.Tensor], None] | None = None,
     ) -> SampledStep:
         """The device part: logit bias / allowed ids / bad words, penalties, min_tokens mask,
-        verification, next_tokens, logprobs (of the raw logits)."""
+        verification, next_tokens, logprobs (of the raw logits). With a DraftFeed: the drafts
+        read from the slot pool, output indices corrected by the step in flight's rejections,
+        then the pool's per-slot state advanced and after_verify(plan, result, seq_len [R])
+        called (the device drafter drafts the next step there)."""
+        layout = plan.layout
+        t, draft_ids, forced, feed = plan.t, plan.draft_ids, plan.forced, plan.feed
+        if feed is not None:
+            pool = self.pool
+            t = dataclasses.replace(t, counter=t.counter - pool.rejected[feed.row_shift])
+            gather = (feed.draft_at - 1).clamp_min(0)
+            draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
+            if self.split_rows is not None:
+                survivals = pool.draft_conf[plan.slots].cumprod(1)  # [R, k]
+                keep = self.split_rows(survivals, layout.total_q - plan.slots.shape[0])
+                kept = layout.local_step < keep[layout.row_to_req]
+                draft_ids = torch.where(kept, draft_ids, torch.full_like(draft_ids, -1))
+            if plan.golden:
+                forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
+            if pool.q is not None and draft_probs is None:
+                # q of each verify row's draft (EAGLE-3): 0 where it has none, so a row that
+                # checks -1 resamples from p itself
+                has = (feed.draft_at > 0) & (draft_ids >= 0)
+                q = pool.q[(feed.draft_at - 1).clamp_min(0)]
+                draft_probs = torch.where(has.unsqueeze(1), q, torch.zeros_like(q))
         proc = logits
         if plan.processing is not None:
             proc = apply_logits_processing(proc, plan.processing)
@@ -160,14 +270,26 @@ class StepSampler:
             proc = apply_penalties(proc, *plan.penalties)
         if plan.min_tokens_mask is not None:
             rows, cols = plan.min_tokens_mask
-            # index_fill_ on flat indices: advanced-index assignment (logits[rows, cols] = x)
+            # scatter on flat indices: advanced-index assignment (logits[rows, cols] = x)
             # syncs on CUDA, which the sync guard test caught
             flat = rows * proc.shape[1] + cols
-            proc = proc.clone().view(-1).index_fill_(0, flat, float("-inf")).view(proc.shape)
-        layout = plan.layout
-        result = verify(proc, plan.draft_ids, draft_probs, plan.t, layout, plan.forced)
+            proc = proc.clone().view(-1)
+            if plan.min_tokens_limit is None:
+                proc.index_fill_(0, flat, float("-inf"))
+            else:  # rows laid out from a lower bound: mask those still below min_tokens
+                below = t.counter[rows] < plan.min_tokens_limit
+                vals = torch.where(below, torch.full_like(proc[flat], float("-inf")), proc[flat])
+                proc.scatter_(0, flat, vals)
+            proc = proc.view(logits.shape)
+        result = verify(proc, draft_ids, draft_probs, t, layout, forced)
         if next_tokens is not None:
             next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
+        drafted = None
+        if feed is not None:
+            drafted = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
+            seq_len = advance_slots(layout, plan.slots, result.num_accepted, feed, pool)
+            if after_verify is not None:
+                after_verify(plan, result, seq_len)
         lr = None
         if plan.num_logprobs is not None:
             emitted = torch.where(
@@ -176,7 +298,8 @@ class StepSampler:
                 result.sampled_token_ids[layout.row_to_req],
             )
             lr = compute_logprobs(logits, emitted, plan.num_logprobs)
-        return SampledStep(result, lr)
+        seqlens = None if feed is None else plan.seqlens_q
+        return SampledStep(result, lr, drafted=drafted, seqlens_q=seqlens)
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""
@@ -214,16 +337,19 @@ class StepSampler:
         )
 
     def _min_tokens_mask(
-        self, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, cols) the mask sets to -inf: rows that would produce an output token before
-        min_tokens can't pick EOS/stop ids."""
+        self, seqs: list[Sequence], drafts: list[list[int]], bounded: bool = False
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+        """((rows, cols) the mask sets to -inf, limits): rows that would produce an output token
+        before min_tokens can't pick EOS/stop ids. bounded: output indices are known only from
+        below (drafts in flight); the rows are those of the lower bound and limits[pair] the
+        min_tokens each (row, col) is masked under (execute checks the true index)."""
         rows: list[int] = []
         cols: list[int] = []
+        limits: list[int] = []
         row = 0
         for seq, d in zip(seqs, drafts):
             p = seq.params
-            n_out = seq.num_output_tokens + seq.num_pending
+            n_out = seq.num_output_tokens + seq.num_pending  # exact without drafts in flight
             if p.min_tokens > n_out:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
                 if any(not 0 <= t < self.vocab_size for t in banned):
@@ -232,7 +358,9 @@ class StepSampler:
                 for j in range(min(len(d) + 1, p.min_tokens - n_out)):
                     rows.extend([row + j] * len(banned))
                     cols.extend(banned)
+                    limits.extend([p.min_tokens] * len(banned))
             row += len(d) + 1
         if not rows:
-            return None
-        return h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)
+            return None, None
+        mask = h2d(rows, torch.int64, self.device), h2d(cols, torch.int64, self.device)
+        return mask, h2d(limits, torch.int64, self.device) if bounded else None

@@ -122,11 +122,13 @@ def verify_reference(
         sampled = x[final_rows]
     else:
         p = target_probs(logits, t)  # [total_q, V]
-        p_draft = p.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)  # [total_q]
-        q_draft = draft_probs.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
+        # -1: no draft (a device drafter had fewer than the rows laid out); never accepted
+        drafted = draft_token_ids.clamp_min(0).unsqueeze(1)
+        p_draft = p.gather(1, drafted).squeeze(1)  # [total_q]
+        q_draft = draft_probs.gather(1, drafted).squeeze(1)
         u = hashed_uniform(t.seed, t.counter, ACCEPT_SALT, 1).squeeze(1)  # [total_q]
         # accept with probability min(1, p/q): u * q < p (q > 0 for a drafted token)
-        accept = u * q_draft < p_draft
+        accept = (u * q_draft < p_draft) & (draft_token_ids >= 0)
         if forced is not None:
             accept = torch.where(forced >= 0, draft_token_ids == forced, accept)
         accepted, num_accepted = prefix_accept(accept, layout)

@@ -17,6 +17,13 @@ import random
 from specserve.engine.sequence import Sequence
 
 
+def golden_coins(seed: int, rate: float, prompt: list[int], gold: list[int]) -> list[bool]:
+    """Is the draft of output position p right, for each golden position of a request."""
+    # hashes of int tuples are the same in every process (no hash randomisation)
+    rng = random.Random(hash((seed, tuple(prompt), tuple(gold))))
+    return [rng.random() < rate for _ in gold]
+
+
 class GoldenDrafter:
     has_q = False  # one-hot drafts
 
@@ -29,9 +36,7 @@ class GoldenDrafter:
     def _coins(self, seq: Sequence, gold: list[int]) -> list[bool]:
         coins = self._right.get(seq.request_id)
         if coins is None or len(coins) != len(gold):
-            # hashes of int tuples are the same in every process (no hash randomisation)
-            rng = random.Random(hash((self.seed, tuple(seq.prompt_token_ids), tuple(gold))))
-            coins = [rng.random() < self.rate for _ in gold]
+            coins = golden_coins(self.seed, self.rate, seq.prompt_token_ids, gold)
             self._right[seq.request_id] = coins
         return coins
 

@@ -1,5 +1,6 @@
-"""Speculation inside the engine's step: drafting the next step into the slot pool, the verify
-budget's trim, and which steps may run overlapped.
+"""Host drafting (overlap off, or SPECSERVE_DEVICE_DRAFTS=0): drafting the next step into the
+slot pool after the ledger, the verify budget's trim, and which steps may run overlapped. With
+overlap the drafters draft on the device instead (device_drafting.py) and none of this runs.
 
 A host-side drafter needs each step's tokens on the host, so a step that verifies drafts runs
 synchronously; a step without drafts (the budget kept none, or no request can draft) overlaps.

@@ -361,10 +361,10 @@ def test_offline_results_say_why_a_request_failed(sync_llm, monkeypatch):
     real = step_sampler.StepSampler._min_tokens_mask
     poisoned: set[str] = set()
 
-    def mask(self, seqs, drafts):
+    def mask(self, seqs, drafts, **kw):
         if any(s.request_id in poisoned for s in seqs):
             raise IndexError("poisoned request")
-        return real(self, seqs, drafts)
+        return real(self, seqs, drafts, **kw)
 
     monkeypatch.setattr(step_sampler.StepSampler, "_min_tokens_mask", mask)
     engine_add = sync_llm.engine.add_request

@@ -4,7 +4,7 @@ On CPU the device work runs inline, so these tests pin the bookkeeping, not the 
 
 import pytest
 
-from specserve import SamplingParams
+from specserve import SamplingParams, env
 from specserve.engine.sequence import FinishReason
 from tests.engine.conftest import make_llm, prompts_of
 
@@ -152,6 +152,13 @@ def test_overlap_flag_defaults(overlap):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
+def make_host_drafting_llm(**kw):
+    """The host-drafting path (the draft model's and EAGLE-3's: synchronous steps to draft,
+    overlap while speculation pauses), driven by the n-gram and golden drafters on the host."""
+    with env.override(device_drafts=False):
+        return make_llm(**kw)
+
+
 def test_steps_whose_drafts_the_budget_drops_run_overlapped_and_stay_lossless(monkeypatch):
     """With a host drafter, a step for which the verify budget keeps no drafts runs overlapped
     (plain decoding); a step that verifies drafts runs synchronously. Greedy outputs equal the
@@ -160,7 +167,9 @@ def test_steps_whose_drafts_the_budget_drops_run_overlapped_and_stay_lossless(mo
     prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True
+    )
     eng = llm.engine
     assert not eng.overlap and eng.overlap_when_paused
     calls = []
@@ -182,7 +191,7 @@ def test_steps_with_drafts_run_synchronously_and_only_they(monkeypatch):
     """Golden drafts exist at every decode step with room and the budget keeps them all: only
     steps without drafts (prefills, a request at its last token) may run overlapped."""
     golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
-    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
+    llm = make_host_drafting_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
     monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
     kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
@@ -204,7 +213,7 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
     prompts = prompts_of([70, 90, 50])
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
-    llm = make_llm(
+    llm = make_host_drafting_llm(
         max_num_seqs=8, overlap=True, speculative_config=NGRAM, max_num_batched_tokens=32
     )
     eng = llm.engine
@@ -226,8 +235,10 @@ def test_fixed_k_overlaps_the_steps_without_drafts_and_matches_the_synchronous_e
     prompts.append([101, 102, 103, 104] * 8)  # n-gram drafts from the start
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     spec = NGRAM | {"verify_budget": "off"}
-    want = _run(make_llm(max_num_seqs=8, speculative_config=spec), prompts, sp)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True)
+    want = _run(make_host_drafting_llm(max_num_seqs=8, speculative_config=spec), prompts, sp)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True
+    )
     eng = llm.engine
     assert eng.budget is None and eng.overlap_when_paused
     assert _run(llm, prompts, sp) == want
@@ -245,7 +256,9 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
     ]
     want = _run(_llm(False), prompts, params)
-    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True)
+    llm = make_host_drafting_llm(
+        max_num_seqs=8, overlap=True, speculative_config=NGRAM, debug_invariants=True
+    )
     eng = llm.engine
     calls = []
 
@@ -269,7 +282,7 @@ def test_only_decode_shaped_steps_price_the_step_cost_curve(overlap):
     the previous readback (a whole period: device time and the host work not hidden)."""
     prompts = prompts_of([12, 30, 8, 21])
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm = make_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=8, overlap=overlap, speculative_config=NGRAM)
     eng = llm.engine
     shapes = []
     real_launch = eng._launch
@@ -309,7 +322,7 @@ def test_idle_time_between_runs_is_no_step_s_cost():
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():
-    llm = make_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
+    llm = make_host_drafting_llm(max_num_seqs=2, overlap=False, speculative_config=NGRAM)
     assert not llm.engine.overlap and not llm.engine.overlap_when_paused
 
 

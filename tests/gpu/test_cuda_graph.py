@@ -160,6 +160,40 @@ def test_pending_rows_read_next_tokens(graph: bool) -> None:
     assert seen == [703, rows[1][0], 701]
 
 
+@pytest.mark.parametrize("graph", [True, False], ids=["bucket", "eager"])
+def test_device_drafts_and_rejections_feed_the_rows(graph: bool) -> None:
+    """Device drafters under overlap: draft rows read the slot pool's drafts (an absent one, -1,
+    feeds token 0), and a request whose in-flight step rejected drafts moves back by them: its
+    positions, KV slots (block-table lookups) and context length, in the graph and eagerly."""
+    import numpy as np
+
+    k = 3
+    draft_ids = torch.full((5, k), -1, dtype=torch.int64)
+    draft_ids[2] = torch.tensor([801, 802, -1])
+    rejected = torch.zeros(5, dtype=torch.int64)
+    rejected[2] = 2  # the step in flight of slot 2 rejected 2 of its rows
+    model = EchoModel()
+    cpu = torch.device("cpu")
+    runner = ModelRunner(model, 1, 1, 1, 64, BS, torch.float32, cpu, 4, draft_ids, rejected)
+    runner.init_cuda_graphs(4, 1 + k, 64, capture=True, progress=False, backend=FakeBackend())
+    if not graph:
+        runner.graphs = None
+    runner.next_tokens[2] = 700
+    # request 0 (slot 2): anchor + 3 drafts laid out from position 10 (all of the in-flight
+    # step's drafts counted accepted); request 1: a plain row at position 5
+    rows, starts, tables = [[0, 0, 0, 0], [55]], [10, 5], [[3, 4, 5, 6], [7, 8]]
+    pending = np.array([2, 0, 0, 0, 0], dtype=np.int64)
+    draft_at = np.array([0, 2 * k + 1, 2 * k + 2, 2 * k + 3, 0], dtype=np.int64)
+    shift = np.array([2, 2, 2, 2, 0], dtype=np.int64)
+    step = runner.prepare_rows(rows, starts, tables, [4, 1], pending, None, draft_at, shift)
+    assert isinstance(step, BucketStep) is graph
+    ids, pos, slot, ctx_len, bt_slot = runner.forward(step)[:5, :5].long().T.tolist()
+    assert ids == [700, 801, 802, 0, 55]
+    assert pos == [8, 9, 10, 11, 5]
+    assert slot == bt_slot == [5 * BS, 5 * BS + 1, 5 * BS + 2, 5 * BS + 3, 8 * BS + 1]
+    assert ctx_len == [12, 12, 12, 12, 6]
+
+
 def test_not_eligible_runs_eager() -> None:
     rng = random.Random(0)
     runner, _ = _echo_runner()

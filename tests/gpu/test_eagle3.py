@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, SamplingParams, env
 from specserve.model.config import ModelConfig
 from specserve.model.loader.dummy import PRESETS
 from tests.model.test_eagle3_format import write_tiny_head
@@ -34,19 +34,21 @@ def target(tmp_path_factory):
     return f"dummy:{root}", ModelConfig.from_hf(cfg)
 
 
-def _llm(model: str, spec: dict | None = None, **kw) -> LLM:
-    return LLM(
-        model,
-        dtype="float32",
-        device="cuda",
-        max_num_seqs=8,
-        max_model_len=256,
-        kv_cache_memory_gb=0.25,
-        speculative_config=spec,
-        debug_invariants=True,
-        progress=False,
-        **kw,
-    )
+def _llm(model: str, spec: dict | None = None, device_drafts: bool = False, **kw) -> LLM:
+    """The host drafter unless device_drafts (the head inside the step: the CUDA default)."""
+    with env.override(device_drafts=device_drafts):
+        return LLM(
+            model,
+            dtype="float32",
+            device="cuda",
+            max_num_seqs=8,
+            max_model_len=256,
+            kv_cache_memory_gb=0.25,
+            speculative_config=spec,
+            debug_invariants=True,
+            progress=False,
+            **kw,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +88,33 @@ def test_greedy_eagle3_with_plain_steps_and_overlap_on_cuda(target, prompts, ref
     assert llm.engine.overlap_when_paused  # steps without drafts overlap on CUDA
     assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_device_eagle3_with_overlap_on_cuda(target, prompts, ref, tmp_path, enforce_eager):
+    """The head drafting inside the step (device drafting, overlap: the CUDA default): greedy
+    outputs equal speculation off, every step launched behind the one in flight."""
+    head = _copy_head(tmp_path / "copy", target, ref, device="cuda")
+    llm = _llm(target[0], _spec(head, k=3), device_drafts=True, enforce_eager=enforce_eager)
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
+    assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
+    assert eng.num_sync_steps == 0
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_no_host_sync_inside_a_device_eagle3_step(target, prompts, ref, tmp_path):
+    head = _copy_head(tmp_path / "copy", target, ref, device="cuda")
+    llm = _llm(target[0], _spec(head, k=3), device_drafts=True)
+    eng = llm.engine
+    llm.generate(prompts, SP, use_tqdm=False)  # warm-up
+    for p in prompts:
+        eng.add_request(p, SP)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

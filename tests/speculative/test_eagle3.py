@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve import SamplingParams
+from specserve import SamplingParams, env
 from specserve.config import SpeculativeConfig
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.config import ModelConfig
@@ -172,6 +172,56 @@ def test_greedy_eagle3_is_token_for_token_identical(target, prompts, ref, heads,
     assert llm.engine.slot_pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("head", ["copy", "random"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head, temperature):
+    """With overlap the head drafts inside the step (eagle3_device.py): every step launched
+    behind the one in flight, drafts accepted, preemption on the way. Greedy: the outputs of
+    speculation off; sampled: rejection sampling against the head's q, seeded, so the run
+    repeats itself (a flat random target accepts next to nothing there; test_lossless.py
+    checks the distribution, absent drafts included)."""
+    llm = make_llm(
+        model=target[0],
+        speculative_config=_spec(heads[head], k=3, verify_budget="off"),
+        kv_cache_memory_gb=10 * 16384 / 2**30,
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+        overlap=True,
+        debug_invariants=True,
+    )
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    if temperature == 0.0:
+        assert _ids(outs) == ref
+    else:
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(outs)
+    assert eng.num_sync_steps == 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0
+    if head == "copy" and temperature == 0.0:
+        assert m["spec_accepted_tokens"] > m["spec_draft_tokens"] / 4
+        assert max(m["spec_acceptance_per_position"][1:]) > 0  # multi-token accepts
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_device_eagle3_drafts_are_the_host_drafters(target, prompts, ref, heads):
+    """Synchronous host drafting and device drafting with overlap draft the same tokens: the
+    catch-up over the step's rows (prompt rows at a request's first drafting) and the chain
+    leave the head's KV as the host drafter's."""
+    spec = _spec(heads["random"], k=3, verify_budget="off")
+    host = make_llm(model=target[0], speculative_config=spec, max_num_seqs=8)
+    dev = make_llm(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _ids(dev.generate(prompts, sp, use_tqdm=False)) == _ids(
+        host.generate(prompts, sp, use_tqdm=False)
+    )
+    a, b = dev.engine.ledger.spec, host.engine.ledger.spec
+    assert a.num_accepted_tokens == b.num_accepted_tokens > 0
+
+
 def _reference_drafts(llm, loaded, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
     """The head recomputed from scratch: the target's aux streams from one fresh prefill, then
     each chain step a dense causal pass over the whole extended sequence."""
@@ -216,15 +266,16 @@ def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, h
     the plain overlapped steps between drafting rounds (forced for the random head)
     leave the head's KV and the stored hidden states exactly what a fresh computation gives."""
     kw = {"verify_budget": "off"} if head == "copy" else {}
-    llm = make_llm(
-        model=target[0],
-        speculative_config=_spec(heads[head], k=3, **kw),
-        kv_cache_memory_gb=10 * 16384 / 2**30,
-        max_num_batched_tokens=48,
-        max_num_seqs=8,
-        overlap=head == "random",
-        debug_invariants=True,
-    )
+    with env.override(device_drafts=False):  # the host drafter (its proposals are spied on)
+        llm = make_llm(
+            model=target[0],
+            speculative_config=_spec(heads[head], k=3, **kw),
+            kv_cache_memory_gb=10 * 16384 / 2**30,
+            max_num_batched_tokens=48,
+            max_num_seqs=8,
+            overlap=head == "random",
+            debug_invariants=True,
+        )
     records = _spy(llm)
     if head == "random":
         _drop_every_other_round(llm)

@@ -81,3 +81,49 @@ def test_a_biased_verifier_is_caught(monkeypatch, bias):
     monkeypatch.setattr(verify_mod, "hashed_uniform", biased)
     first, p = _first_tokens(CASES["t1"])
     assert _chi2(first, p) > CHI2_CRIT
+
+
+@pytest.mark.parametrize("name", ["t1", "topp0.8"])
+def test_absent_device_drafts_keep_the_target_distribution(name):
+    """Device drafters lay out rows before their drafts exist: a row whose draft turned out
+    absent checks -1. Requests with a one-hot draft, with a -1 after it, or with -1 alone:
+    the first emitted token is still distributed as p, and -1 is never accepted."""
+    params = CASES[name]
+    g = torch.Generator().manual_seed(2)
+    target_logits = torch.randn(V, generator=g) * 1.5
+    logits = target_logits.expand(3 * N, V).contiguous()  # 3 rows per request
+    layout = build_layout(torch.full((N,), 3, dtype=torch.int64), 3 * N, 2)
+    row_seeds = [s for s in range(N) for _ in range(3)]
+    t = SamplingTensors.build([params] * (3 * N), row_seeds, [0, 1, 2] * N, "cpu")
+    real = torch.randint(0, V, (N,), generator=g)
+    kind = torch.arange(N) % 3  # 0: draft, -1; 1: -1, -1; 2: draft, draft
+    first = torch.where(kind == 1, -1, real)
+    second = torch.where(kind == 2, torch.randint(0, V, (N,), generator=g), -1)
+    drafts = torch.stack([first, second, torch.zeros(N, dtype=torch.int64)], 1).reshape(-1)
+    res = verify(logits, drafts, None, t, layout)
+    verified = res.verified_token_ids.view(N, 3)
+    assert not (verified[kind == 1] >= 0).any()
+    assert not (verified[kind == 0][:, 1] >= 0).any()
+    emitted = torch.where(verified[:, 0] >= 0, verified[:, 0].long(), res.sampled_token_ids)
+    p = target_probs(target_logits.unsqueeze(0), SamplingTensors.build([params], [0], [0], "cpu"))
+    assert _chi2(emitted, p[0]) < CHI2_CRIT
+
+
+def test_absent_drafts_with_a_draft_q_keep_the_target_distribution():
+    """A drafter with q (EAGLE-3 on the device): a row checking -1 has q = 0 there, so it is
+    rejected and resamples from max(p - 0, 0) = p; the first token is distributed as p."""
+    params = CASES["t1"]
+    g = torch.Generator().manual_seed(3)
+    target_logits = torch.randn(V, generator=g) * 1.5
+    logits = target_logits.expand(2 * N, V).contiguous()
+    layout = build_layout(torch.full((N,), 2, dtype=torch.int64), 2 * N, 1)
+    t = SamplingTensors.build(
+        [params] * (2 * N), [s for s in range(N) for _ in range(2)], [0, 1] * N, "cpu"
+    )
+    q = torch.softmax(torch.randn(2 * N, V, generator=g), -1)
+    drafts = torch.stack([torch.full((N,), -1), torch.zeros(N, dtype=torch.int64)], 1).reshape(-1)
+    q = torch.where((drafts >= 0).unsqueeze(1), q, torch.zeros_like(q))
+    res = verify(logits, drafts, q, t, layout)
+    assert (res.verified_token_ids == -1).all()
+    p = target_probs(target_logits.unsqueeze(0), SamplingTensors.build([params], [0], [0], "cpu"))
+    assert _chi2(res.sampled_token_ids, p[0]) < CHI2_CRIT

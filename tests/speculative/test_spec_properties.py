@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specserve import SamplingParams
+from specserve import SamplingParams, env
 from specserve.speculative.draft_model import DraftModelDrafter
 from tests.engine.conftest import make_llm
 
@@ -47,22 +47,27 @@ class CorruptingDrafter:
 
 def _engine(overlap: bool):
     if overlap not in _ENGINE:
-        llm = make_llm(
-            speculative_config={
-                "method": "draft_model",
-                "num_speculative_tokens": 4,
-                "model": "self",
-            },
-            max_num_seqs=6,
-            max_num_batched_tokens=24,
-            kv_cache_memory_gb=13 * 8192 / 2**30,
-            max_model_len=120,
-            debug_invariants=True,
-            overlap=overlap,
-        )
+        with env.override(device_drafts=False):  # the host drafter, corrupted below
+            llm = _make(overlap)
         llm.engine.drafter = CorruptingDrafter(llm.engine.drafter)
         _ENGINE[overlap] = llm
     return _ENGINE[overlap].engine
+
+
+def _make(overlap: bool):
+    return make_llm(
+        speculative_config={
+            "method": "draft_model",
+            "num_speculative_tokens": 4,
+            "model": "self",
+        },
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        kv_cache_memory_gb=13 * 8192 / 2**30,
+        max_model_len=120,
+        debug_invariants=True,
+        overlap=overlap,
+    )
 
 
 request = st.fixed_dictionaries(

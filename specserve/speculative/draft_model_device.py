@@ -1,0 +1,190 @@
+"""Draft-model drafting inside the step: after the target's verification the draft model
+catches up on the tokens the step settled and chains k drafts, writing them, their q and
+their confidences into the draft slot pool (draft_model.py has the conventions: the draft
+model's KV shares the target's block tables, position p feeds token p).
+
+Catch-up rows of a request, laid out by the host at launch: position p0 + 1 + j feeding the
+token the step emitted at verify row j (rows past the accepted prefix feed garbage the chain
+overwrites or nothing reads), after, at the first drafting since the request (re)started
+running, positions 0 .. p0 (its tokens, known on the host). Otherwise position p0, the anchor,
+was fed by the previous round's catch-up as that round's last token. Under overlap p0 is known
+only on the device: each request's correction is its host p0 less the true one, from the
+lengths the step just wrote. The k - 1 chained steps then run one row per request at positions
+len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
+trash block). Eager: a few small forwards per draft position after the target's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.engine.slots import DraftSlotPool
+from specserve.ops.forward_context import ForwardContext, KVCache
+from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
+from specserve.ops.transfer import h2d
+from specserve.runner.step_sampler import SamplerPlan
+from specserve.sample.verify import VerifyResult
+from specserve.speculative.draft_model import DraftModelDrafter
+from specserve.speculative.eagle3_device import CatchUp
+
+
+class DraftModelDeviceDrafter:
+    def __init__(self, drafter: DraftModelDrafter, pool: DraftSlotPool) -> None:
+        assert pool.q is not None, "a draft model's drafts carry q: the pool must store it"
+        self.pool = pool
+        self.model = drafter.runner.model
+        self.block_size = drafter.runner.block_size
+        self.device = pool.device
+        # the draft KV with one more block: positions a request has no block for yet write there
+        # (allocated anew, the empty ones dropped first: a draft model's KV can be large)
+        like = drafter.runner.kv_caches[0].k
+        num_layers = len(drafter.runner.kv_caches)
+        drafter.runner.kv_caches = []
+        self.trash = like.shape[0]
+        shape, dtype, device = (like.shape[0] + 1, *like.shape[1:]), like.dtype, like.device
+        del like
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.caches = [KVCache(zeros(), zeros()) for _ in range(num_layers)]
+        drafter.runner.kv_caches = self.caches
+        self._caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
+
+    def release(self, seq: Sequence) -> None:
+        self._caught_up.pop(seq.request_id, None)
+
+    # -- host ---------------------------------------------------------------------------------
+    def layout(self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]) -> CatchUp:
+        k = self.pool.k
+        tokens: list[int] = []
+        emit_at: list[int] = []
+        positions: list[int] = []
+        row_req: list[int] = []
+        shifted: list[bool] = []
+        qlens: list[int] = []
+        leads: list[int] = []
+        tables: list[list[int]] = []
+        top, row = 1, 0
+        for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
+            fresh = self._caught_up.get(seq.request_id) != seq.epoch
+            self._caught_up[seq.request_id] = seq.epoch
+            lead = p0 + 1 if fresh else 0  # a fresh request has no drafts in flight: p0 exact
+            tokens += seq.token_ids[:lead] + [0] * (nd + 1)
+            emit_at += [0] * lead + list(range(row + 1, row + nd + 2))
+            positions += list(range(lead)) + list(range(p0 + 1, p0 + nd + 2))
+            row_req += [i] * (lead + nd + 1)
+            shifted += [False] * lead + [True] * (nd + 1)
+            qlens.append(lead + nd + 1)
+            leads.append(lead)
+            tables.append(seq.block_table.blocks)
+            top = max(top, p0 + nd + k + 2)
+            row += nd + 1
+        width = max(-(-top // self.block_size), max(len(t) for t in tables))
+        bt = np.full((len(tables), width), self.trash, dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        cu = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=cu[1:])
+        dev = self.device
+
+        def i64(x: list) -> torch.Tensor:
+            return h2d(x, torch.int64, dev)
+
+        return CatchUp(
+            i64(tokens),
+            i64(emit_at),
+            i64(positions),
+            i64(row_req),
+            h2d(shifted, torch.bool, dev),
+            h2d(qlens, torch.int32, dev),
+            h2d(cu, torch.int32, dev),
+            i64(leads),
+            h2d(bt, torch.int32, dev),
+            max(qlens),
+            top,
+        )
+
+    # -- device -------------------------------------------------------------------------------
+    def _slots(self, bt: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        col = (pos // bs).clamp(0, bt.shape[1] - 1)
+        return bt[req, col].to(torch.int64) * bs + pos % bs
+
+    def _logits(
+        self, tokens: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.model(tokens, pos, self.caches, ctx)
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        lay: CatchUp,
+        plan: SamplerPlan,
+        result: VerifyResult,
+        seq_len: torch.Tensor,  # [R] int64, lengths after this step
+        num_output: torch.Tensor,  # [R] int64, output tokens after this step
+    ) -> None:
+        pool, layout, k = self.pool, plan.layout, self.pool.k
+        acc = result.num_accepted
+        emitted = torch.where(
+            result.verified_token_ids >= 0,
+            result.verified_token_ids.to(torch.int64),
+            result.sampled_token_ids[layout.row_to_req],
+        )
+        tokens = torch.where(lay.emit_at > 0, emitted[(lay.emit_at - 1).clamp_min(0)], lay.tokens)
+        start = lay.cu_query_lens[:-1].to(torch.int64)
+        # the host laid the emitted rows out from p0_host + 1; the true anchor is len - acc - 2
+        corr = lay.positions[start + lay.prefix] - 1 - (seq_len - acc - 2)  # [R]
+        pos = lay.positions - torch.where(lay.verify_row, corr[lay.row_req], 0)
+        slots = self._slots(lay.block_tables, lay.row_req, pos)
+        ctx = ForwardContext(
+            query_lens=lay.query_lens,
+            cu_query_lens=lay.cu_query_lens,
+            context_lens=(lay.query_lens.to(torch.int64) + pos[start]).to(torch.int32),
+            block_tables=lay.block_tables,
+            slot_mapping=slots,
+            max_query_len=lay.max_query_len,
+            max_context_len=lay.max_context_len,
+        )
+        logits = self._logits(tokens, pos, ctx, start + lay.prefix + acc)  # at position len - 1
+        t = plan.t
+        first = layout.ftp
+        t = dataclasses.replace(
+            t,
+            temperature=t.temperature[first],
+            top_k=t.top_k[first],
+            top_p=t.top_p[first],
+            min_p=t.min_p[first],
+            seed=t.seed[first],
+            counter=num_output,
+        )
+        r = seq_len.shape[0]
+        reqs = torch.arange(r, device=seq_len.device)
+        ones = torch.ones(r, dtype=torch.int32, device=seq_len.device)
+        cu1 = torch.arange(r + 1, dtype=torch.int32, device=seq_len.device)
+        drafts, confs = [], []
+        base = plan.slots * k
+        tok = tokens
+        for j in range(k):
+            if j > 0:  # chained: the previous draft at the next position
+                pos = seq_len - 1 + j
+                slots = self._slots(lay.block_tables, reqs, pos)
+                ctx = ForwardContext(
+                    ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
+                    lay.max_context_len,
+                )  # fmt: skip
+                logits = self._logits(tok, pos, ctx, reqs)
+            tj = dataclasses.replace(t, counter=num_output + j)
+            q = target_probs(logits, tj)  # the same filtered family as the target's p
+            tok = sample(q, tj, DRAFT_SALT)
+            pool.q.index_copy_(0, base + j, q)
+            drafts.append(tok)
+            confs.append(q.gather(1, tok.unsqueeze(1)).squeeze(1).float())
+        pool.draft_ids.index_copy_(0, plan.slots, torch.stack(drafts, 1))
+        pool.draft_conf.index_copy_(0, plan.slots, torch.stack(confs, 1))

@@ -1,0 +1,234 @@
+"""EAGLE-3 drafting inside the step: after the target's forward and verification, the head
+catches up on the positions the step settled and chains k drafts, writing them, their q and
+their confidences into the draft slot pool (eagle3.py has the head's conventions: head position
+p feeds token p + 1 and the target's fused g_p, from the store its sink filled in the forward).
+
+Catch-up rows of a request, laid out by the host at launch: its verify rows (anchor + drafts),
+position p0 + j feeding the token the step emitted at row j (accepted draft or sampled token;
+rows past the accepted prefix feed garbage that the chain overwrites or nothing reads), and,
+at the first drafting since the request (re)started running, every earlier position of its
+sequence (the prompt, known on the host). Under overlap p0 is known only on the device (the
+step in flight's rejections): each request's correction is its host p0 less the true one,
+taken from the lengths the step just wrote. The k - 1 chained steps then run one row per
+request at positions len - 1, len, ... (the scheduler grows each request's blocks k - 1
+positions past its rows for them).
+
+Eager (not in the CUDA graph yet): a few small launches per draft position after the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.engine.slots import DraftSlotPool
+from specserve.ops.attention import paged_attention, write_kv
+from specserve.ops.forward_context import ForwardContext, KVCache
+from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
+from specserve.ops.transfer import h2d
+from specserve.runner.step_sampler import SamplerPlan
+from specserve.sample.verify import VerifyResult
+from specserve.speculative.eagle3 import Eagle3Drafter
+
+
+class CatchUp(NamedTuple):
+    """Host layout of a step's catch-up rows (C rows, R requests), on the device."""
+
+    tokens: torch.Tensor  # [C] int64, host tokens (prompt rows)
+    emit_at: torch.Tensor  # [C] int64, verify-layout row + 1 whose emitted token feeds it; 0
+    positions: torch.Tensor  # [C] int64, host positions (verify rows: upper bounds)
+    row_req: torch.Tensor  # [C] int64
+    verify_row: torch.Tensor  # [C] bool, row shifts with its request's correction
+    query_lens: torch.Tensor  # [R] int32
+    cu_query_lens: torch.Tensor  # [R + 1] int32
+    prefix: torch.Tensor  # [R] int64, prompt rows before each request's verify rows
+    block_tables: torch.Tensor  # [R, W] int32
+    max_query_len: int
+    max_context_len: int  # host bound on every position touched, chain included, + 1
+
+
+class Eagle3DeviceDrafter:
+    def __init__(self, drafter: Eagle3Drafter, pool: DraftSlotPool) -> None:
+        assert pool.q is not None, "EAGLE-3 drafts carry q: the pool must store it"
+        self.inner, self.pool = drafter, pool
+        self.head = drafter.head
+        self.block_size = drafter.runner.block_size
+        # the head's KV cache with one more block: positions a request has no block for yet
+        # (its chain ran past the blocks the pool could give) write there, harmlessly
+        k0 = drafter.runner.kv_caches[0]
+        self.trash = k0.k.shape[0]
+        grow = (1, *k0.k.shape[1:])
+        self.cache = KVCache(
+            torch.cat([k0.k, k0.k.new_zeros(grow)]), torch.cat([k0.v, k0.v.new_zeros(grow)])
+        )
+        drafter.runner.kv_caches[0] = self.cache
+        self.device = pool.device
+        self._caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
+
+    def release(self, seq: Sequence) -> None:
+        self._caught_up.pop(seq.request_id, None)
+
+    # -- host ---------------------------------------------------------------------------------
+    def layout(self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]) -> CatchUp:
+        """Read from the requests at launch: the catch-up rows of each sampling request."""
+        k = self.pool.k
+        tokens: list[int] = []
+        emit_at: list[int] = []
+        positions: list[int] = []
+        row_req: list[int] = []
+        verify_row: list[bool] = []
+        qlens: list[int] = []
+        prefixes: list[int] = []
+        tables: list[list[int]] = []
+        top = 1
+        row = 0
+        for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
+            fresh = self._caught_up.get(seq.request_id) != seq.epoch
+            self._caught_up[seq.request_id] = seq.epoch
+            # a fresh request has no drafts in flight, so its p0 is exact
+            pre = p0 if fresh else 0
+            tokens += seq.token_ids[1 : pre + 1] + [0] * (nd + 1)
+            emit_at += [0] * pre + list(range(row + 1, row + nd + 2))
+            positions += list(range(0, pre)) + list(range(p0, p0 + nd + 1))
+            row_req += [i] * (pre + nd + 1)
+            verify_row += [False] * pre + [True] * (nd + 1)
+            qlens.append(pre + nd + 1)
+            prefixes.append(pre)
+            tables.append(seq.block_table.blocks)
+            top = max(top, p0 + nd + k + 1)
+            row += nd + 1
+        # columns for every position touched, the chain's included; past a request's blocks
+        # the trash block
+        width = max(-(-top // self.block_size), max(len(t) for t in tables))
+        bt = np.full((len(tables), width), self.trash, dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        cu = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=cu[1:])
+        dev = self.device
+
+        def i64(x: list) -> torch.Tensor:
+            return h2d(x, torch.int64, dev)
+
+        return CatchUp(
+            i64(tokens),
+            i64(emit_at),
+            i64(positions),
+            i64(row_req),
+            h2d(verify_row, torch.bool, dev),
+            h2d(qlens, torch.int32, dev),
+            h2d(cu, torch.int32, dev),
+            i64(prefixes),
+            h2d(bt, torch.int32, dev),
+            max(qlens),
+            top,
+        )
+
+    # -- device -------------------------------------------------------------------------------
+    def _slots(self, bt: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        col = (pos // bs).clamp(0, bt.shape[1] - 1)
+        return bt[req, col].to(torch.int64) * bs + pos % bs
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One head step over the rows; (prenorm, logits, confidence logit) of `rows`."""
+        cache, scale = self.cache, self.head.midlayer.self_attn.scale
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(k, v, cache, ctx.slot_mapping)
+            return paged_attention(q, cache, ctx, scale)
+
+        out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len)
+        conf = out.confidence[rows] if out.confidence is not None else None
+        return out.prenorm[rows], out.logits[rows], conf
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        lay: CatchUp,
+        plan: SamplerPlan,
+        result: VerifyResult,
+        seq_len: torch.Tensor,  # [R] int64, lengths after this step
+        num_output: torch.Tensor,  # [R] int64, output tokens after this step
+    ) -> None:
+        pool, layout, k = self.pool, plan.layout, self.pool.k
+        acc = result.num_accepted
+        emitted = torch.where(
+            result.verified_token_ids >= 0,
+            result.verified_token_ids.to(torch.int64),
+            result.sampled_token_ids[layout.row_to_req],
+        )
+        src = emitted[(lay.emit_at - 1).clamp_min(0)]
+        tokens = torch.where(lay.emit_at > 0, src, lay.tokens)
+        # the host laid verify rows out from p0_host; the true anchor is len - accepted - 2
+        host_p0 = lay.positions[lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix]
+        corr = host_p0 - (seq_len - acc - 2)  # [R]
+        pos = lay.positions - torch.where(lay.verify_row, corr[lay.row_req], 0)
+        slots = self._slots(lay.block_tables, lay.row_req, pos)
+        ctx = ForwardContext(
+            query_lens=lay.query_lens,
+            cu_query_lens=lay.cu_query_lens,
+            context_lens=(lay.query_lens.to(torch.int64) + pos[lay.cu_query_lens[:-1].long()]).to(
+                torch.int32
+            ),
+            block_tables=lay.block_tables,
+            slot_mapping=slots,
+            max_query_len=lay.max_query_len,
+            max_context_len=lay.max_context_len,
+        )
+        final = lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix + acc  # [R]
+        hidden = self.inner.store[slots]  # the target's g at each position
+        prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
+        # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
+        t = plan.t
+        first = layout.ftp
+        t = dataclasses.replace(
+            t,
+            temperature=t.temperature[first],
+            top_k=t.top_k[first],
+            top_p=t.top_p[first],
+            min_p=t.min_p[first],
+            seed=t.seed[first],
+            counter=num_output,
+        )
+        r = seq_len.shape[0]
+        reqs = torch.arange(r, device=seq_len.device)
+        ones = torch.ones(r, dtype=torch.int32, device=seq_len.device)
+        cu1 = torch.arange(r + 1, dtype=torch.int32, device=seq_len.device)
+        drafts, confs = [], []
+        base = plan.slots * k
+        tok = tokens
+        for j in range(k):
+            if j > 0:  # chained: the previous draft at the next position
+                pos = seq_len - 2 + j
+                slots = self._slots(lay.block_tables, reqs, pos)
+                ctx = ForwardContext(
+                    ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
+                    lay.max_context_len,
+                )  # fmt: skip
+                prenorm, logits, conf_logit = self._step(tok, prenorm, pos, ctx, reqs)
+            tj = dataclasses.replace(t, counter=num_output + j)
+            q = target_probs(self.head.target_logits(logits), tj)  # [R, V]
+            tok = sample(q, tj, DRAFT_SALT)
+            temps = self.inner.temperatures
+            c = (
+                torch.sigmoid(conf_logit / temps[min(j, len(temps) - 1)])
+                if conf_logit is not None
+                else q.gather(1, tok.unsqueeze(1)).squeeze(1)
+            )
+            pool.q.index_copy_(0, base + j, q)
+            drafts.append(tok)
+            confs.append(c.float())
+        pool.draft_ids.index_copy_(0, plan.slots, torch.stack(drafts, 1))
+        pool.draft_conf.index_copy_(0, plan.slots, torch.stack(confs, 1))

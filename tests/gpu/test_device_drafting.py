@@ -1,0 +1,120 @@
+"""Device drafters (n-gram, golden, draft model; EAGLE-3 in test_eagle3.py) on CUDA with overlap, the default there: drafts written
+inside the step into the draft slot pool and read there by the next step (launched before the
+host saw them), graphs and eager alike. Greedy outputs equal speculation off, every step is
+launched overlapped, and no step synchronises with the host.
+
+    pytest -m gpu tests/gpu/test_device_drafting.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.model.loader.dummy import PRESETS
+
+pytestmark = pytest.mark.gpu
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+GOLDEN = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": 0.7}
+SELF = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+GOLD = [random.Random(1).randrange(3, 49152) for _ in range(60)]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    root = tmp_path_factory.mktemp("devdraft")
+    # head_dim 64: the Triton attention path; fp32 so graphs, eager and spec off agree exactly
+    cfg = dict(PRESETS["tiny"], num_hidden_layers=4, hidden_size=256, head_dim=64)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return f"dummy:{root}"
+
+
+def _llm(model: str, spec: dict | None = None, **kw) -> LLM:
+    return LLM(
+        model,
+        dtype="float32",
+        device="cuda",
+        max_num_seqs=8,
+        max_model_len=256,
+        kv_cache_memory_gb=0.25,
+        speculative_config=spec,
+        debug_invariants=True,
+        progress=False,
+        **kw,
+    )
+
+
+def _workload():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 17, 40, 64, 9, 3, 33)]
+    prompts.append([101, 102, 103, 104] * 12)  # repeats: n-gram drafts from the start
+    params = [
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SamplingParams(max_tokens=45, ignore_eos=True, golden_token_ids=GOLD),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True),
+        SamplingParams(max_tokens=60, stop_token_ids=[GOLD[25]], golden_token_ids=GOLD),
+        SamplingParams(max_tokens=25, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        SamplingParams(max_tokens=50, min_tokens=5, ignore_eos=True, golden_token_ids=GOLD),
+        SamplingParams(max_tokens=48, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _run(llm: LLM):
+    prompts, params = _workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def ref(target):
+    return _run(_llm(target))
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_device_drafting_matches_speculation_off(target, ref, spec, enforce_eager) -> None:
+    llm = _llm(target, spec, enforce_eager=enforce_eager)
+    eng = llm.engine
+    assert eng.overlap and eng.device_drafting is not None  # the CUDA default
+    got = _run(llm)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i} differs with device drafting"
+    assert eng.num_sync_steps == 0
+    assert eng.ledger.spec.num_accepted_tokens > 0
+    if not enforce_eager:
+        assert eng.runner.graphs.num_verify_replays > 0  # drafts read inside the graphs
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])
+def test_no_host_sync_inside_a_speculative_step(target, spec) -> None:
+    """Under torch.cuda.set_sync_debug_mode("error") any synchronising call in a step (a
+    .item(), a .tolist() of a device tensor, a pageable copy) raises; the wait for the step in
+    flight lifts the mode for itself only (designed_sync). Prefills, admissions (slot uploads),
+    verify steps reading device drafts, stops in flight and the drain all run under it."""
+    llm = _llm(target, spec)
+    eng = llm.engine
+    _run(llm)  # warm-up: Triton JIT, lazily built tables, allocator pools
+    prompts, params = _workload()
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    torch.cuda.synchronize()
+    steps = 0
+    accepted = eng.ledger.spec.num_accepted_tokens
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps > 10
+    assert eng.ledger.spec.num_accepted_tokens > accepted  # steady-state speculative steps

@@ -1,0 +1,330 @@
+"""Device drafters (n-gram, golden) with overlap: drafts written inside the step into the draft
+slot pool, read there by the next step, which the host launched before seeing them. On CPU the
+device work runs in the worker thread; the same code runs on CUDA (tests/gpu/test_overlap.py)."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve import SamplingParams, env
+from specserve.engine.slots import DraftSlotPool
+from specserve.sample.layout import build_layout
+from specserve.speculative.ngram import NgramIndex
+from specserve.speculative.ngram_device import NgramDeviceDrafter
+from tests.engine.conftest import make_llm, prompts_of
+
+GOLD = [random.Random(0).randrange(3, 49000) for _ in range(40)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+GOLDEN = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": 0.7}
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def _params(temperature: float, n: int) -> list[SamplingParams]:
+    """Golden ids on every other request (teacher forcing: golden drafts get accepted), a stop
+    token inside them, min_tokens, a stop string, seeds for the sampled runs."""
+    out = []
+    for i in range(n):
+        out.append(
+            SamplingParams(
+                temperature=temperature,
+                seed=i,
+                max_tokens=25 + i,
+                ignore_eos=i != 5,
+                golden_token_ids=GOLD[: 10 + 5 * i] if i % 2 == 0 else None,
+                min_tokens=3 if i == 3 else 0,
+                stop_token_ids=[GOLD[20]] if i == 4 else None,
+                stop=["e"] if i == 5 else None,
+            )
+        )
+    return out
+
+
+_PROMPTS = prompts_of([12, 30, 8, 5, 17, 9], seed=3) + [[101, 102, 103, 104] * 6]
+_WANT: dict[float, list] = {}
+
+
+def _want(temperature: float) -> list:
+    if temperature not in _WANT:
+        _WANT[temperature] = _run(make_llm(max_num_seqs=8), _PROMPTS, _params(temperature, 7))
+    return _WANT[temperature]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kv_gb", [None, 0.0001], ids=["roomy", "preempting"])
+def test_outputs_are_those_of_speculation_off(spec, temperature, kv_gb):
+    """Greedy: token for token. Sampled: one-hot drafters keep each request's own random
+    stream (RNG counters corrected on the device for the rows the step in flight rejected),
+    so seeded requests emit exactly what they emit with speculation off."""
+    kw = {} if kv_gb is None else {"kv_cache_memory_gb": kv_gb}
+    llm = make_llm(
+        max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True, **kw
+    )
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.overlap and eng.drafter is None
+    preempted = []
+    real = eng.scheduler._preempt
+    eng.scheduler._preempt = lambda s: (preempted.append(s.request_id), real(s))
+    assert _run(llm, _PROMPTS, _params(temperature, 7)) == _want(temperature)
+    assert eng.num_sync_steps == 0  # every step launched behind the one in flight
+    assert eng.ledger.spec.num_accepted_tokens > 0
+    assert bool(preempted) == (kv_gb is not None)
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_device_golden_verifies_what_the_host_golden_drafter_verifies():
+    """Same coins, same fixed k: the device drafter's drafts and acceptance are the host
+    drafter's (synchronous) ones. max_tokens past the golden ids: near max_tokens the device
+    path verifies fewer drafts (the room is priced as if the drafts in flight were accepted)."""
+    prompts = prompts_of([5] * 6, seed=13)
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, golden_token_ids=GOLD)
+    spec = GOLDEN | {"verify_budget": "off"}
+    host = make_llm(speculative_config=spec)
+    dev = make_llm(overlap=True, speculative_config=spec)
+    assert host.engine.device_drafting is None and dev.engine.device_drafting is not None
+    got = _run(dev, prompts, sp)
+    assert got == _run(host, prompts, sp)
+    assert all(o[:40] == GOLD for o, _, _ in got)
+    assert dev.engine.ledger.spec == host.engine.ledger.spec  # drafts, accepted, per position
+    assert dev.engine.ledger.spec.num_accepted_tokens > 0
+
+
+def test_the_switch_keeps_drafting_on_the_host():
+    with env.override(device_drafts=False):
+        llm = make_llm(overlap=True, speculative_config=NGRAM)
+    assert llm.engine.device_drafting is None and llm.engine.overlap_when_paused
+
+
+def test_requests_that_read_their_tokens_on_the_host_verify_no_device_drafts():
+    """Penalties (like bad words and grammars) read every token on the host: such a request
+    gets no draft rows and flushes the step in flight; the others keep speculating."""
+    prompts = [[101, 102, 103, 104] * 6, [101, 102, 103, 104] * 6]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
+    want = _run(make_llm(max_num_seqs=4), prompts, params)
+    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=NGRAM)
+    seen = []
+    real = llm.engine._launch
+
+    def launch(batch, overlap):
+        seen.append({s.request_id: nd for s, nd in zip(batch.seqs, batch.num_drafts)})
+        return real(batch, overlap)
+
+    llm.engine._launch = launch
+    assert _run(llm, prompts, params) == want
+    penalized = min(int(r) for step in seen for r in step)
+    assert all(step.get(str(penalized), 0) == 0 for step in seen)
+    assert any(nd for step in seen for r, nd in step.items() if int(r) != penalized)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=4),
+    st.integers(1, 3),
+    st.integers(3, 5),
+)
+def test_device_ngram_proposes_what_the_host_index_proposes(histories, n_min, n_max):
+    """Low-entropy histories (tokens 0..3) so most suffixes match somewhere."""
+    k, width = 4, 48
+    pool = DraftSlotPool(len(histories), k, 8, False, torch.device("cpu"))
+    drafter = NgramDeviceDrafter(pool, n_min, n_max, width)
+    slots = torch.arange(1, len(histories) + 1)
+    for s, h in zip(slots.tolist(), histories):
+        drafter.admit(s, torch.tensor(h))
+    lens = torch.tensor([len(h) for h in histories])
+    drafter.draft(slots, lens, torch.full((k,), 0.5), max(len(h) for h in histories))
+    for s, h in zip(slots.tolist(), histories):
+        want = NgramIndex(n_min, n_max).propose(h, k)
+        got = [t for t in pool.draft_ids[s].tolist() if t >= 0]
+        assert got == want, (h, got, want)
+        assert pool.draft_ids[s, len(got) :].eq(-1).all()
+
+
+def test_device_ngram_history_appends_the_emitted_tokens():
+    """A step's accepted drafts and sampled token land at the request's next positions."""
+    pool = DraftSlotPool(2, 3, 50, False, torch.device("cpu"))
+    drafter = NgramDeviceDrafter(pool, 1, 3, 16)
+    drafter.admit(1, torch.tensor([5, 6, 7]))
+    drafter.admit(2, torch.tensor([9, 9]))
+    layout = build_layout(torch.tensor([3, 1]), 4, 2)
+    verified = torch.tensor([8, -1, -1, -1], dtype=torch.int32)  # request 1 accepted one draft
+    sampled = torch.tensor([11, 12])
+    accepted = torch.tensor([1, 0])
+    seq_len = torch.tensor([5, 3])  # 3 + 1 accepted + 1 sampled; 2 + 1
+    drafter.append(torch.tensor([1, 2]), layout, verified, sampled, accepted, seq_len)
+    assert drafter.history[1, :5].tolist() == [5, 6, 7, 8, 11]
+    assert drafter.history[2, :3].tolist() == [9, 9, 12]
+
+
+def test_max_model_len_reached_with_drafts_in_flight():
+    """Requests run into max_model_len while their drafts fly: the room is priced from the
+    upper bound, nothing is emitted past the limit, outputs are those of speculation off."""
+    prompts = prompts_of([20, 33, 7], seed=5) + [[101, 102, 103, 104] * 5]
+    gold = GOLD + GOLD
+    sp = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, golden_token_ids=gold)
+    want = _run(make_llm(max_num_seqs=4, max_model_len=48), prompts, sp)
+    for spec in (NGRAM, GOLDEN):
+        llm = make_llm(
+            max_num_seqs=4,
+            max_model_len=48,
+            overlap=True,
+            speculative_config=spec,
+            debug_invariants=True,
+        )
+        assert _run(llm, prompts, sp) == want
+    assert all(len(p) + len(o) == 48 and r == "length" for p, (o, _, r) in zip(prompts, want))
+
+
+request = st.fixed_dictionaries(
+    {
+        "prompt_len": st.integers(1, 40),
+        "max_tokens": st.integers(1, 30),
+        "stop_tok": st.one_of(st.none(), st.integers(3, 60)),
+        "golden": st.booleans(),
+        "temperature": st.sampled_from([0.0, 1.0]),
+        "arrive_at": st.integers(0, 6),
+        "abort_at": st.one_of(st.none(), st.integers(0, 20)),
+    }
+)
+_PROP: dict[str, object] = {}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+@settings(max_examples=15, deadline=None)
+@given(st.lists(request, min_size=1, max_size=6), st.integers(0, 2**31))
+def test_invariants_over_random_workloads(spec, reqs, seed):
+    """Arrivals, aborts, stops inside accepted drafts (golden ids drawn from the stop range),
+    preemption (13 KV blocks) and max_model_len, all with drafts in flight: debug invariants
+    hold at every step, and each request's outputs are exactly the tokens appended to it."""
+    key = spec["method"]
+    if key not in _PROP:
+        _PROP[key] = make_llm(
+            max_num_seqs=4,
+            max_model_len=64,
+            kv_cache_memory_gb=0.0001,
+            overlap=True,
+            speculative_config=spec,
+            debug_invariants=True,
+        )
+    eng = _PROP[key].engine
+    rng = random.Random(seed)
+    seqs, emitted, finished = {}, {}, {}
+    pending = sorted(reqs, key=lambda r: r["arrive_at"])
+    tick = 0
+    while pending or eng.has_unfinished():
+        while pending and pending[0]["arrive_at"] <= tick:
+            r = pending.pop(0)
+            prompt = [rng.randrange(3, 60) for _ in range(r["prompt_len"])]
+            gold = [rng.randrange(3, 60) for _ in range(40)] if r["golden"] else None
+            sp = SamplingParams(
+                temperature=r["temperature"],
+                max_tokens=r["max_tokens"],
+                stop_token_ids=[r["stop_tok"]] if r["stop_tok"] is not None else None,
+                golden_token_ids=gold,
+            )
+            seq = eng.add_request(prompt, sp)
+            seqs[seq.request_id] = (seq, r)
+            emitted[seq.request_id] = []
+        for rid, (_seq, r) in seqs.items():
+            if r["abort_at"] == tick and rid not in finished:
+                eng.abort(rid)
+        for o in eng.step():
+            assert o.request_id not in finished
+            if o.token_id >= 0:
+                emitted[o.request_id].append(o.token_id)
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+        tick += 1
+        assert tick < 2000
+    assert set(finished) == set(seqs)
+    for rid, (seq, r) in seqs.items():
+        assert emitted[rid] == seq.output_token_ids
+        assert seq.spec.num_accepted_tokens <= seq.num_output_tokens
+        if r["stop_tok"] is not None and finished[rid] != "abort":
+            assert r["stop_tok"] not in emitted[rid][:-1]
+        assert seq.num_tokens <= 64
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+    eng.release_outputs()
+    assert eng.pool.num_free == eng.pool.capacity
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_draft_model(temperature):
+    """The draft model ("self": the target drafting for itself) inside the step: greedy
+    outputs of speculation off with every draft accepted, preemption on the way; sampled:
+    rejection sampling against its q (test_lossless.py checks the distribution)."""
+    spec = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+    spec |= {"verify_budget": "off"}
+    prompts = prompts_of([12, 30, 8, 5, 17], seed=4)
+    sp = SamplingParams(temperature=temperature, seed=2, max_tokens=20, ignore_eos=True)
+    llm = make_llm(
+        max_num_seqs=8,
+        overlap=True,
+        speculative_config=spec,
+        debug_invariants=True,
+        kv_cache_memory_gb=0.0001,
+    )
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
+    got = _run(llm, prompts, sp)
+    assert eng.num_sync_steps == 0
+    spec_counts = eng.ledger.spec
+    if temperature == 0.0:
+        assert got == _run(make_llm(max_num_seqs=8), prompts, sp)
+        assert spec_counts.num_accepted_tokens == spec_counts.num_draft_tokens > 0
+    else:
+        # p and q differ only by rounding here, so a rejection's residual max(p - q, 0) is
+        # rounding noise: compare with a rerun, not with the host drafter's batch shapes
+        assert _run(llm, prompts, sp) == got
+        assert spec_counts.num_accepted_tokens > 0
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_a_device_split_chooses_which_drafts_are_verified():
+    """The verify budget's device split plugs into StepSampler.split_rows: drafts past each
+    request's share check -1 (never accepted); outputs stay those of speculation off."""
+    prompts = prompts_of([5] * 4, seed=13)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, golden_token_ids=GOLD)
+    want = _run(make_llm(max_num_seqs=4), prompts, sp)
+    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=GOLDEN)
+    seen = []
+
+    def split(survivals, total):  # the first draft of each request only
+        seen.append((tuple(survivals.shape), total))
+        return torch.ones(survivals.shape[0], dtype=torch.int64)
+
+    llm.engine.sampler.split_rows = split
+    assert _run(llm, prompts, sp) == want
+    spec = llm.engine.ledger.spec
+    assert spec.num_accepted_tokens > 0
+    assert len(spec.verified_per_position) == 1  # only first drafts were verified
+    assert all(shape[1] == 4 and total >= 0 for shape, total in seen)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_rows_by_their_true_output_index(temperature):
+    """With drafts in flight the host knows each row's output index only from below: it lays
+    out the mask for the lower bound and the device keeps the rows still under min_tokens. A
+    stop list covering most of the vocabulary ends each request right at min_tokens."""
+    prompts = [[101, 102, 103, 104] * 6, [7, 8, 9] * 5] + prompts_of([9], seed=2)
+    sp = SamplingParams(
+        temperature=temperature,
+        seed=5,
+        max_tokens=30,
+        min_tokens=7,
+        stop_token_ids=list(range(3, 40000)),
+    )
+    want = _run(make_llm(max_num_seqs=4), prompts, sp)
+    for spec in (NGRAM, GOLDEN):
+        llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=spec)
+        assert _run(llm, prompts, sp) == want
+    assert all(len(o) >= 7 for o, _, _ in want)
