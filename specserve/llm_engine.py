@@ -126,11 +126,14 @@ class LLMEngine:
         # Host drafters (draft model, EAGLE-3) need each step's tokens on the host before they
         # draft the next: with them only the steps that verify no drafts overlap (the verify
         # budget pausing speculation at high load, or nothing to draft: Speculator.may_overlap).
+        # (not under tensor parallelism: workers rebuild each step's inputs from its rows and
+        # have no slot pool to read drafts from; drafters there run on rank 0's host)
         on_device = (
             spec is not None
             and want
             and spec.method in DEVICE_METHODS
             and env.settings.device_drafts
+            and self.tp is None
         )
         self.drafter = build_drafter(spec, self) if spec and not on_device else None
         self.overlap = want and self.drafter is None
@@ -156,7 +159,7 @@ class LLMEngine:
             if on_device
             else None
         )
-        self.runner = (self.tp.runner if self.tp else ModelRunner)(
+        runner_args = (
             loaded.model,
             mc.num_hidden_layers,
             mc.num_key_value_heads,
@@ -166,9 +169,16 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.max_num_seqs,
-            self.slot_pool.draft_ids if self.slot_pool is not None else None,
-            self.slot_pool.rejected if self.slot_pool is not None else None,
         )
+        if self.tp:
+            self.runner = self.tp.runner(*runner_args)
+        else:
+            pool = self.slot_pool
+            self.runner = ModelRunner(
+                *runner_args,
+                pool.draft_ids if pool is not None else None,
+                pool.rejected if pool is not None else None,
+            )
         # Before the verify budget's calibration below, so the step-cost curve times the graphs.
         self.runner.init_cuda_graphs(
             config.max_num_seqs,

@@ -89,7 +89,11 @@ class TPModelRunner(ModelRunner):
         num_logits: list[int],
         pending: np.ndarray | None = None,
         prompt: PromptRows | None = None,
+        draft_at: np.ndarray | None = None,
+        shift: np.ndarray | None = None,
     ) -> TPStep:
+        # drafts are never read from a device slot pool here (device drafting is off under TP)
+        assert draft_at is None and shift is None, "tensor parallelism drafts on rank 0's host"
         local = super().prepare_rows(rows, starts, tables, num_logits, pending, prompt)
         spec = None
         if prompt is not None:

@@ -27,7 +27,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.acceptance import AcceptanceEstimator
+from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
 from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
@@ -109,7 +109,7 @@ class DeviceDrafting:
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
-            rates = [self.acceptance.global_rates.rate(j) for j in range(self.k)]
+            rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
         if self.model_drafter is not None:
             lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)
