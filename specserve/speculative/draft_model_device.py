@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
-from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
+from specserve.speculative.catch_up import CatchUp, kv_slots, pack_catch_up
 from specserve.speculative.draft_model import DraftModelDrafter
-from specserve.speculative.eagle3_device import CatchUp
 
 
 class DraftModelDeviceDrafter:
@@ -84,37 +82,18 @@ class DraftModelDeviceDrafter:
             tables.append(seq.block_table.blocks)
             top = max(top, p0 + nd + k + 2)
             row += nd + 1
-        width = max(-(-top // self.block_size), max(len(t) for t in tables))
-        bt = np.full((len(tables), width), self.trash, dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
-        cu = np.zeros(len(qlens) + 1, dtype=np.int32)
-        np.cumsum(qlens, out=cu[1:])
-        dev = self.device
-
-        def i64(x: list) -> torch.Tensor:
-            return h2d(x, torch.int64, dev)
-
-        return CatchUp(
-            i64(tokens),
-            i64(emit_at),
-            i64(positions),
-            i64(row_req),
-            h2d(shifted, torch.bool, dev),
-            h2d(qlens, torch.int32, dev),
-            h2d(cu, torch.int32, dev),
-            i64(leads),
-            h2d(bt, torch.int32, dev),
-            max(qlens),
+        return pack_catch_up(
+            (tokens, emit_at, positions, row_req, shifted),
+            qlens,
+            leads,
+            tables,
             top,
+            self.block_size,
+            self.trash,
+            self.device,
         )
 
     # -- device -------------------------------------------------------------------------------
-    def _slots(self, bt: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        col = (pos // bs).clamp(0, bt.shape[1] - 1)
-        return bt[req, col].to(torch.int64) * bs + pos % bs
-
     def _logits(
         self, tokens: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
     ) -> torch.Tensor:
@@ -142,7 +121,7 @@ class DraftModelDeviceDrafter:
         # the host laid the emitted rows out from p0_host + 1; the true anchor is len - acc - 2
         corr = lay.positions[start + lay.prefix] - 1 - (seq_len - acc - 2)  # [R]
         pos = lay.positions - torch.where(lay.verify_row, corr[lay.row_req], 0)
-        slots = self._slots(lay.block_tables, lay.row_req, pos)
+        slots = kv_slots(lay.block_tables, lay.row_req, pos, self.block_size)
         ctx = ForwardContext(
             query_lens=lay.query_lens,
             cu_query_lens=lay.cu_query_lens,
@@ -174,7 +153,7 @@ class DraftModelDeviceDrafter:
         for j in range(k):
             if j > 0:  # chained: the previous draft at the next position
                 pos = seq_len - 1 + j
-                slots = self._slots(lay.block_tables, reqs, pos)
+                slots = kv_slots(lay.block_tables, reqs, pos, self.block_size)
                 ctx = ForwardContext(
                     ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
                     lay.max_context_len,

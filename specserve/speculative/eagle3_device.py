@@ -19,9 +19,7 @@ Eager (not in the CUDA graph yet): a few small launches per draft position after
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from specserve.engine.sequence import Sequence
@@ -29,26 +27,10 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
-from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
+from specserve.speculative.catch_up import CatchUp, kv_slots, pack_catch_up
 from specserve.speculative.eagle3 import Eagle3Drafter
-
-
-class CatchUp(NamedTuple):
-    """Host layout of a step's catch-up rows (C rows, R requests), on the device."""
-
-    tokens: torch.Tensor  # [C] int64, host tokens (prompt rows)
-    emit_at: torch.Tensor  # [C] int64, verify-layout row + 1 whose emitted token feeds it; 0
-    positions: torch.Tensor  # [C] int64, host positions (verify rows: upper bounds)
-    row_req: torch.Tensor  # [C] int64
-    verify_row: torch.Tensor  # [C] bool, row shifts with its request's correction
-    query_lens: torch.Tensor  # [R] int32
-    cu_query_lens: torch.Tensor  # [R + 1] int32
-    prefix: torch.Tensor  # [R] int64, prompt rows before each request's verify rows
-    block_tables: torch.Tensor  # [R, W] int32
-    max_query_len: int
-    max_context_len: int  # host bound on every position touched, chain included, + 1
 
 
 class Eagle3DeviceDrafter:
@@ -101,39 +83,18 @@ class Eagle3DeviceDrafter:
             tables.append(seq.block_table.blocks)
             top = max(top, p0 + nd + k + 1)
             row += nd + 1
-        # columns for every position touched, the chain's included; past a request's blocks
-        # the trash block
-        width = max(-(-top // self.block_size), max(len(t) for t in tables))
-        bt = np.full((len(tables), width), self.trash, dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
-        cu = np.zeros(len(qlens) + 1, dtype=np.int32)
-        np.cumsum(qlens, out=cu[1:])
-        dev = self.device
-
-        def i64(x: list) -> torch.Tensor:
-            return h2d(x, torch.int64, dev)
-
-        return CatchUp(
-            i64(tokens),
-            i64(emit_at),
-            i64(positions),
-            i64(row_req),
-            h2d(verify_row, torch.bool, dev),
-            h2d(qlens, torch.int32, dev),
-            h2d(cu, torch.int32, dev),
-            i64(prefixes),
-            h2d(bt, torch.int32, dev),
-            max(qlens),
+        return pack_catch_up(
+            (tokens, emit_at, positions, row_req, verify_row),
+            qlens,
+            prefixes,
+            tables,
             top,
+            self.block_size,
+            self.trash,
+            self.device,
         )
 
     # -- device -------------------------------------------------------------------------------
-    def _slots(self, bt: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        col = (pos // bs).clamp(0, bt.shape[1] - 1)
-        return bt[req, col].to(torch.int64) * bs + pos % bs
-
     def _step(
         self,
         tokens: torch.Tensor,
@@ -175,7 +136,7 @@ class Eagle3DeviceDrafter:
         host_p0 = lay.positions[lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix]
         corr = host_p0 - (seq_len - acc - 2)  # [R]
         pos = lay.positions - torch.where(lay.verify_row, corr[lay.row_req], 0)
-        slots = self._slots(lay.block_tables, lay.row_req, pos)
+        slots = kv_slots(lay.block_tables, lay.row_req, pos, self.block_size)
         ctx = ForwardContext(
             query_lens=lay.query_lens,
             cu_query_lens=lay.cu_query_lens,
@@ -212,7 +173,7 @@ class Eagle3DeviceDrafter:
         for j in range(k):
             if j > 0:  # chained: the previous draft at the next position
                 pos = seq_len - 2 + j
-                slots = self._slots(lay.block_tables, reqs, pos)
+                slots = kv_slots(lay.block_tables, reqs, pos, self.block_size)
                 ctx = ForwardContext(
                     ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
                     lay.max_context_len,

@@ -1,0 +1,76 @@
+"""The catch-up rows of a model drafter inside the step (EAGLE-3 head or draft model): the
+drafter's own forward over what its KV cache lacks (a fresh request's prompt, then each step's
+verify rows, shifted on the device by the rejections), laid out on the host and uploaded."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from specserve.ops.transfer import h2d
+
+
+class CatchUp(NamedTuple):
+    """Host layout of a step's catch-up rows (C rows, R requests), on the device."""
+
+    tokens: torch.Tensor  # [C] int64, host tokens (prompt rows)
+    emit_at: torch.Tensor  # [C] int64, verify-layout row + 1 whose emitted token feeds it; 0
+    positions: torch.Tensor  # [C] int64, host positions (verify rows: upper bounds)
+    row_req: torch.Tensor  # [C] int64
+    verify_row: torch.Tensor  # [C] bool, row shifts with its request's correction
+    query_lens: torch.Tensor  # [R] int32
+    cu_query_lens: torch.Tensor  # [R + 1] int32
+    prefix: torch.Tensor  # [R] int64, prompt rows before each request's verify rows
+    block_tables: torch.Tensor  # [R, W] int32
+    max_query_len: int
+    max_context_len: int  # host bound on every position touched, chain included, + 1
+
+
+def pack_catch_up(
+    rows: tuple[list[int], list[int], list[int], list[int], list[bool]],
+    qlens: list[int],
+    prefix: list[int],
+    tables: list[list[int]],
+    top: int,
+    block_size: int,
+    trash: int,
+    device: torch.device,
+) -> CatchUp:
+    """rows = (tokens, emit_at, positions, row_req, verify_row) per catch-up row. Block tables
+    get columns for every position touched (`top`, the chain's included); past a request's
+    blocks the trash block."""
+    tokens, emit_at, positions, row_req, verify_row = rows
+    width = max(-(-top // block_size), max(len(t) for t in tables))
+    bt = np.full((len(tables), width), trash, dtype=np.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = t
+    cu = np.zeros(len(qlens) + 1, dtype=np.int32)
+    np.cumsum(qlens, out=cu[1:])
+
+    def i64(x: list) -> torch.Tensor:
+        return h2d(x, torch.int64, device)
+
+    return CatchUp(
+        i64(tokens),
+        i64(emit_at),
+        i64(positions),
+        i64(row_req),
+        h2d(verify_row, torch.bool, device),
+        h2d(qlens, torch.int32, device),
+        h2d(cu, torch.int32, device),
+        i64(prefix),
+        h2d(bt, torch.int32, device),
+        max(qlens),
+        top,
+    )
+
+
+def kv_slots(
+    bt: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat KV slot of each (request, position): its block table's block, or the last column's
+    for positions past the table (the trash block)."""
+    col = (pos // block_size).clamp(0, bt.shape[1] - 1)
+    return bt[req, col].to(torch.int64) * block_size + pos % block_size
