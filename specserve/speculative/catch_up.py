@@ -4,11 +4,14 @@ verify rows, shifted on the device by the rejections), laid out on the host and 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from specserve.ops.forward_context import ForwardContext
+from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import h2d
 
 
@@ -74,3 +77,38 @@ def kv_slots(
     for positions past the table (the trash block)."""
     col = (pos // block_size).clamp(0, bt.shape[1] - 1)
     return bt[req, col].to(torch.int64) * block_size + pos % block_size
+
+
+def draft_sampling(
+    t: SamplingTensors, first: torch.Tensor, counter: torch.Tensor
+) -> SamplingTensors:
+    """Per request sampling params for the chain: each request's at its first verify row
+    (`first` = ftp), its RNG counter at `counter` (the drafter samples under DRAFT_SALT)."""
+    return dataclasses.replace(
+        t,
+        temperature=t.temperature[first],
+        top_k=t.top_k[first],
+        top_p=t.top_p[first],
+        min_p=t.min_p[first],
+        seed=t.seed[first],
+        counter=counter,
+    )
+
+
+class ChainRows:
+    """One row per request for the chained steps after the catch-up: request indices, and the
+    ForwardContext of a chain step at positions `pos` [R]."""
+
+    def __init__(self, lay: CatchUp, r: int, device: torch.device, block_size: int) -> None:
+        self.lay, self.block_size = lay, block_size
+        self.reqs = torch.arange(r, device=device)
+        self.ones = torch.ones(r, dtype=torch.int32, device=device)
+        self.cu1 = torch.arange(r + 1, dtype=torch.int32, device=device)
+
+    def context(self, pos: torch.Tensor) -> ForwardContext:
+        lay = self.lay
+        slots = kv_slots(lay.block_tables, self.reqs, pos, self.block_size)
+        return ForwardContext(
+            self.ones, self.cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
+            lay.max_context_len,
+        )  # fmt: skip

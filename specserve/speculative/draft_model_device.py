@@ -26,7 +26,13 @@ from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.catch_up import CatchUp, kv_slots, pack_catch_up
+from specserve.speculative.catch_up import (
+    CatchUp,
+    ChainRows,
+    draft_sampling,
+    kv_slots,
+    pack_catch_up,
+)
 from specserve.speculative.draft_model import DraftModelDrafter
 
 
@@ -132,33 +138,15 @@ class DraftModelDeviceDrafter:
             max_context_len=lay.max_context_len,
         )
         logits = self._logits(tokens, pos, ctx, start + lay.prefix + acc)  # at position len - 1
-        t = plan.t
-        first = layout.ftp
-        t = dataclasses.replace(
-            t,
-            temperature=t.temperature[first],
-            top_k=t.top_k[first],
-            top_p=t.top_p[first],
-            min_p=t.min_p[first],
-            seed=t.seed[first],
-            counter=num_output,
-        )
-        r = seq_len.shape[0]
-        reqs = torch.arange(r, device=seq_len.device)
-        ones = torch.ones(r, dtype=torch.int32, device=seq_len.device)
-        cu1 = torch.arange(r + 1, dtype=torch.int32, device=seq_len.device)
+        t = draft_sampling(plan.t, layout.ftp, num_output)
+        chain = ChainRows(lay, seq_len.shape[0], seq_len.device, self.block_size)
         drafts, confs = [], []
         base = plan.slots * k
         tok = tokens
         for j in range(k):
             if j > 0:  # chained: the previous draft at the next position
                 pos = seq_len - 1 + j
-                slots = kv_slots(lay.block_tables, reqs, pos, self.block_size)
-                ctx = ForwardContext(
-                    ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
-                    lay.max_context_len,
-                )  # fmt: skip
-                logits = self._logits(tok, pos, ctx, reqs)
+                logits = self._logits(tok, pos, chain.context(pos), chain.reqs)
             tj = dataclasses.replace(t, counter=num_output + j)
             q = target_probs(logits, tj)  # the same filtered family as the target's p
             tok = sample(q, tj, DRAFT_SALT)

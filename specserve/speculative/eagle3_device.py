@@ -29,7 +29,13 @@ from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.catch_up import CatchUp, kv_slots, pack_catch_up
+from specserve.speculative.catch_up import (
+    CatchUp,
+    ChainRows,
+    draft_sampling,
+    kv_slots,
+    pack_catch_up,
+)
 from specserve.speculative.eagle3 import Eagle3Drafter
 
 
@@ -152,33 +158,17 @@ class Eagle3DeviceDrafter:
         hidden = self.inner.store[slots]  # the target's g at each position
         prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
         # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
-        t = plan.t
-        first = layout.ftp
-        t = dataclasses.replace(
-            t,
-            temperature=t.temperature[first],
-            top_k=t.top_k[first],
-            top_p=t.top_p[first],
-            min_p=t.min_p[first],
-            seed=t.seed[first],
-            counter=num_output,
-        )
-        r = seq_len.shape[0]
-        reqs = torch.arange(r, device=seq_len.device)
-        ones = torch.ones(r, dtype=torch.int32, device=seq_len.device)
-        cu1 = torch.arange(r + 1, dtype=torch.int32, device=seq_len.device)
+        t = draft_sampling(plan.t, layout.ftp, num_output)
+        chain = ChainRows(lay, seq_len.shape[0], seq_len.device, self.block_size)
         drafts, confs = [], []
         base = plan.slots * k
         tok = tokens
         for j in range(k):
             if j > 0:  # chained: the previous draft at the next position
                 pos = seq_len - 2 + j
-                slots = kv_slots(lay.block_tables, reqs, pos, self.block_size)
-                ctx = ForwardContext(
-                    ones, cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
-                    lay.max_context_len,
-                )  # fmt: skip
-                prenorm, logits, conf_logit = self._step(tok, prenorm, pos, ctx, reqs)
+                prenorm, logits, conf_logit = self._step(
+                    tok, prenorm, pos, chain.context(pos), chain.reqs
+                )
             tj = dataclasses.replace(t, counter=num_output + j)
             q = target_probs(self.head.target_logits(logits), tj)  # [R, V]
             tok = sample(q, tj, DRAFT_SALT)
