@@ -20,6 +20,7 @@ from specserve.distributed import TensorParallelError, start_tensor_parallel
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
+from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
 from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
@@ -244,7 +245,7 @@ class LLMEngine:
         self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
         self.budget = (
             VerifyBudget.for_engine(self, cache_dir() if config.cache_step_cost else None)
-            if self.drafter is not None and spec.verify_budget == "auto"
+            if (self.drafter is not None or on_device) and spec.verify_budget == "auto"
             else None
         )
         self.speculator = Speculator(self) if self.drafter is not None else None
@@ -406,7 +407,7 @@ class LLMEngine:
                 # the drafting just done decides: drafts kept need the synchronous path; none
                 # (the budget kept none, or nothing to draft) lets this step run overlapped
                 overlap = not self.speculator.has_drafts()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(draft_caps=self._draft_caps())
         self.pool.release_through(batch.step - 2)
         outputs += self._take_terminal(batch.step)
         launched = None
@@ -434,6 +435,17 @@ class LLMEngine:
                 else:
                     outputs += self._commit(inflight, host, batch.step, draft=False)
         return outputs
+
+    def _draft_caps(self) -> dict[int, int] | None:
+        """Device drafters with the verify budget: each decode-ready request's draft rows in
+        the next step, by slot (None: k each)."""
+        dd, sched = self.device_drafting, self.scheduler
+        if dd is None or self.budget is None:
+            return None
+        ready = sched.decode_ready()
+        k, limit = self.slot_pool.k, self.max_num_batched_tokens
+        room = [draft_rows(s, k, limit, self.max_model_len) for s in ready]
+        return {s.slot: m for s, m in zip(ready, dd.allot(ready, self.budget, room))}
 
     def _take_terminal(self, step: int) -> list[TokenOutput]:
         """The outputs of requests that ended without a token (aborted, refused, failed)."""

@@ -64,6 +64,19 @@ def ratios(ours: RunResult, base: RunResult) -> dict[str, float | None]:
     }
 
 
+def median_interval(
+    xs: list[float], level: float = 0.9, draws: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(median, low, high): the median of paired per-repeat ratios and its bootstrap interval
+    (the medians of `draws` resamples with replacement, their central `level` share)."""
+    import random
+
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    cut = int((1.0 - level) / 2 * draws)
+    return statistics.median(xs), meds[cut], meds[draws - 1 - cut]
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

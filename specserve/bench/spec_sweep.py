@@ -29,7 +29,7 @@ from specserve.bench.common import (
     model_vocab_size,
     token_id_bound,
 )
-from specserve.bench.report import hardware_info, software_info, timestamp
+from specserve.bench.report import hardware_info, median_interval, software_info, timestamp
 
 MODES = ("off", "fixed", "auto")
 
@@ -314,6 +314,7 @@ def _checks(
     digests = {(p.mode, p.concurrency): p.output_digest for p in points}
     lines, ok = [], True
     identical: dict[int, bool] = {}
+    intervals: dict[int, dict[str, list[float]]] = {}  # 90 % bootstrap of each paired median
     for c in levels:
         off, fixed, auto = by[("off", c)], by[("fixed", c)], by[("auto", c)]
         # The verdict is on ratios taken within each repeat (auto against the fixed-k and the
@@ -324,15 +325,18 @@ def _checks(
         # faster of each repeat's two: that maximum of two noisy runs reads high where the
         # modes tie. The ratio of the medians is printed beside it.
         triples = list(zip(runs[("off", c)], runs[("fixed", c)], runs[("auto", c)]))
-        over_off = statistics.median(a / o for o, _f, a in triples)
-        over_fixed = statistics.median(a / f for _o, f, a in triples)
+        over_off, *off_ci = median_interval([a / o for o, _f, a in triples])
+        over_fixed, *fixed_ci = median_interval([a / f for _o, f, a in triples])
+        fixed_off, *fo_ci = median_interval([f / o for o, f, _a in triples])
+        intervals[c] = {"auto/off": off_ci, "auto/fixed": fixed_ci, "fixed/off": fo_ci}
         good = over_fixed >= 0.97 and over_off >= 0.99
         ok &= good
         identical[c] = len({digests[(m, c)] for m in MODES}) == 1
         line = (
-            f"C={c}: paired auto/fixed {over_fixed:.3f}, auto/off {over_off:.3f} -> "
-            f"{'ok' if good else 'MISSED'} (medians: auto/off {auto / off:.3f}, auto/fixed "
-            f"{auto / fixed:.3f}, fixed/off {fixed / off:.3f})"
+            f"C={c}: paired auto/fixed {over_fixed:.3f} [{fixed_ci[0]:.3f}, {fixed_ci[1]:.3f}], "
+            f"auto/off {over_off:.3f} [{off_ci[0]:.3f}, {off_ci[1]:.3f}], fixed/off "
+            f"{fixed_off:.3f} [{fo_ci[0]:.3f}, {fo_ci[1]:.3f}] -> {'ok' if good else 'MISSED'} "
+            f"(ratios of medians: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f})"
         )
         if outputs_must_match and not identical[c]:
             # golden tokens force the outputs: any difference is an engine bug, not noise
@@ -345,6 +349,7 @@ def _checks(
         "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels),
         # greedy bf16 outputs may legitimately differ with batch shape; golden outputs may not
         "outputs_identical": identical,
+        "paired_ratio_intervals": intervals,
     }
 
 

@@ -5,9 +5,8 @@ overlap the step that drafts them is still in flight. A request whose drafts tur
 than its rows verifies -1 drafts there, which no verification accepts, so the accepted prefix
 ends at them (lossless; the rows cost their compute only).
 
-Stand-in for the verify budget's device split (a host-chosen total of draft rows shared out
-by confidences inside the step): fixed k, capped by each request's room. One function, so the
-budget can replace it.
+The most rows a request may take: k (or the verify budget's choice for it), capped by its
+room.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from specserve.engine.sequence import Sequence
 
 
 def draft_rows(seq: Sequence, k: int, row_budget: int, max_model_len: int) -> int:
-    """Draft rows for a decode-ready request: k, capped so the drafts never push it past
+    """Draft rows for a decode-ready request: k at most, capped so the drafts never push it past
     max_model_len, max_tokens or the step's row budget. Counts the drafts in flight as
     accepted (an upper bound on its tokens), so the room is never overestimated."""
     if seq.params.reads_output_tokens:

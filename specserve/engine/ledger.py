@@ -37,6 +37,9 @@ class HostStepResult(NamedTuple):
     # device drafters: drafts each request really had (its verify rows past them checked -1);
     # None = every verify row checked a draft
     num_real_drafts: list[int] | None = None  # [R]
+    # device drafters: the confidences of the drafts the step wrote for each request's next
+    # step (the verify budget sizes the step after next by them)
+    next_confidences: list[list[float]] | None = None  # [R][k]
 
 
 @dataclass

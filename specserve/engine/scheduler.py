@@ -130,11 +130,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self, only: set[str] | None = None) -> StepBatch:
+    def decode_ready(self) -> list[Sequence]:
+        """The running requests whose next rows are a decode/verify step's (an anchor row and
+        drafts), in scheduling order."""
+        return [
+            s
+            for s in self.running
+            if s.num_uncomputed_tokens == 1 and not (s.num_pending and self._ends_with_pending(s))
+        ]
+
+    def schedule(
+        self, only: set[str] | None = None, draft_caps: dict[int, int] | None = None
+    ) -> StepBatch:
         """Running requests first (decode/verify rows, then their remaining prefill chunks), then
         new prefills while the token budget, max_num_seqs and free blocks allow.
         only: request ids; a step of just these (the engine's fault isolation), the others
-        wait (they may still be preempted to make room)."""
+        wait (they may still be preempted to make room). draft_caps: device drafters, the most
+        draft rows of each request by slot (the verify budget's choice; absent: none); None:
+        k each."""
         self.step_id += 1
         batch = StepBatch(self.step_id, [], [], [], [], [], device_drafts=self.device_drafts)
         budget = self.max_num_batched_tokens
@@ -150,7 +163,8 @@ class Scheduler:
                 continue
             remaining = seq.num_uncomputed_tokens
             if self.device_drafts:
-                nd = draft_rows(seq, self.slots.k, budget, self.max_model_len)
+                cap = self.slots.k if draft_caps is None else draft_caps.get(seq.slot, 0)
+                nd = draft_rows(seq, cap, budget, self.max_model_len)
                 d: list[int] = [-1] * nd if remaining == 1 else []
             else:
                 d = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []

@@ -72,6 +72,7 @@ class SampledStep:
         draft_confidences: list[list[float]] | None = None,
         drafted: tuple[torch.Tensor, torch.Tensor] | None = None,
         seqlens_q: list[int] | None = None,  # with drafted: the step's rows per request
+        next_conf: torch.Tensor | None = None,  # [R, k] float32, with drafted
     ) -> None:
         self.result = result
         self.total_q = result.verified_token_ids.shape[0]
@@ -86,14 +87,16 @@ class SampledStep:
             ]
         )
         # drafted: ([R] int64 drafts each request really verified, [total_q] float32 confidence
-        # of the draft at each verify row), for a step of device drafts
+        # of the draft at each verify row), for a step of device drafts; next_conf: the
+        # confidences of the drafts it wrote for each request's next step (the verify budget)
         self.has_drafted = drafted is not None
         self.seqlens_q = seqlens_q
         if drafted is not None:
             ints = torch.cat([ints, drafted[0]])
         parts = [ints]
         if drafted is not None:
-            parts.append(drafted[1])
+            nc = next_conf.reshape(-1) if next_conf is not None else drafted[1][:0]
+            parts.append(torch.cat([drafted[1], nc]))
         if logprobs is not None:
             lp = logprobs
             parts += [lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs]
@@ -106,11 +109,13 @@ class SampledStep:
             ints = host[0].tolist()
             t, r = self.total_q, self.num_reqs
             lp = ranks = top_ids = top_lps = None
-            confs, real = self.draft_confidences, None
+            confs, real, nxt = self.draft_confidences, None, None
             rest = host[1:]
             if self.has_drafted:
                 real = ints[t + 2 * r :]
-                per_row = rest[0].tolist()
+                per_row = rest[0][:t].tolist()
+                if rest[0].shape[0] > t:
+                    nxt = rest[0][t:].reshape(r, -1).tolist()
                 confs, at = [], 0
                 for n, rows in zip(real, self.seqlens_q):  # a request's real drafts come first
                     confs.append(per_row[at : at + n])
@@ -128,6 +133,7 @@ class SampledStep:
                 top_lps,
                 confs,
                 real,
+                nxt,
             )
         return self._host
 
@@ -141,11 +147,6 @@ class StepSampler:
         pool: DraftSlotPool | None = None,
     ) -> None:
         self.pool = pool  # device drafters' drafts and per-slot state
-        # device drafters: which of the drafts laid out a step verifies, chosen on the device
-        # from the newest confidences: (survivals [R, k], total draft rows) -> [R] drafts kept
-        # per request (a prefix each; the rest check -1). None: all of them (fixed k). The
-        # verify budget's split plugs in here.
-        self.split_rows: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.device = device
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
@@ -250,11 +251,6 @@ class StepSampler:
             t = dataclasses.replace(t, counter=t.counter - pool.rejected[feed.row_shift])
             gather = (feed.draft_at - 1).clamp_min(0)
             draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
-            if self.split_rows is not None:
-                survivals = pool.draft_conf[plan.slots].cumprod(1)  # [R, k]
-                keep = self.split_rows(survivals, layout.total_q - plan.slots.shape[0])
-                kept = layout.local_step < keep[layout.row_to_req]
-                draft_ids = torch.where(kept, draft_ids, torch.full_like(draft_ids, -1))
             if plan.golden:
                 forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
             if pool.q is not None and draft_probs is None:
@@ -284,12 +280,13 @@ class StepSampler:
         result = verify(proc, draft_ids, draft_probs, t, layout, forced)
         if next_tokens is not None:
             next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
-        drafted = None
+        drafted = next_conf = None
         if feed is not None:
             drafted = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
             seq_len = advance_slots(layout, plan.slots, result.num_accepted, feed, pool)
             if after_verify is not None:
                 after_verify(plan, result, seq_len)
+                next_conf = pool.draft_conf[plan.slots]  # what the budget sizes the next step by
         lr = None
         if plan.num_logprobs is not None:
             emitted = torch.where(
@@ -299,7 +296,7 @@ class StepSampler:
             )
             lr = compute_logprobs(logits, emitted, plan.num_logprobs)
         seqlens = None if feed is None else plan.seqlens_q
-        return SampledStep(result, lr, drafted=drafted, seqlens_q=seqlens)
+        return SampledStep(result, lr, drafted=drafted, seqlens_q=seqlens, next_conf=next_conf)
 
     def _forced(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q] golden token of each row (teacher forcing), -1 where a request has none."""

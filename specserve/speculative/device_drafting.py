@@ -11,6 +11,12 @@ uploads the request's tokens (n-gram history) and golden ids + coins, applied on
 the start of that step, in stream order behind every step that still reads the slot's previous
 owner. Per step it uploads the n-gram confidences (its acceptance estimate, learned one step
 late from the readback). Everything else is device work in StepSampler.execute's after_verify.
+
+The verify budget (allot below) sizes each request's rows on the host from the confidences read
+back with each step: those of the drafts a step wrote for the step after it. Under overlap the
+newest the host has when it lays out step N+1 are the ones of step N's drafts (N, which drafts
+for N+1, is still in flight): one step old. A request not yet read back starts at confidence 1
+(verify, to learn). A request whose newest drafts are fewer than its rows checks -1 there.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specserve.config import SpeculativeConfig
@@ -32,6 +39,7 @@ from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
 from specserve.speculative.ngram_device import NgramDeviceDrafter
+from specserve.speculative.verify_budget import VerifyBudget, survivals
 
 DEVICE_METHODS = ("ngram", "golden", "eagle3", "draft_model")
 
@@ -62,6 +70,8 @@ class DeviceDrafting:
         self.k = pool.k
         # [slots + 1] int64 prompt length of each slot's request (golden: output positions)
         self.prompt_len = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=pool.device)
+        # [slots + 1, k] the newest confidences read back per slot (the budget's inputs)
+        self.host_conf = np.ones((pool.num_slots + 1, max(self.k, 1)))
         self.ngram: NgramDeviceDrafter | None = None
         self.golden: GoldenDeviceDrafter | None = None
         self.model_drafter: Eagle3DeviceDrafter | DraftModelDeviceDrafter | None = None
@@ -86,6 +96,7 @@ class DeviceDrafting:
         """Uploads for the requests given a slot in this step (host: read them now)."""
         out = []
         for seq in seqs:
+            self.host_conf[seq.slot] = 1.0
             gold = seq.params.golden_token_ids
             g = c = toks = None
             if gold:
@@ -135,8 +146,19 @@ class DeviceDrafting:
 
         return hook
 
+    def allot(self, ready: list[Sequence], budget: VerifyBudget, room: list[int]) -> list[int]:
+        """The draft rows of each decode-ready request in the next step (room[i]: its most)."""
+        surv = survivals(self.host_conf[[s.slot for s in ready]])
+        return budget.allot(surv, len(ready), room)
+
     def observe(self, seqs: list[Sequence], host: HostStepResult) -> None:
-        """A step read back: the n-gram acceptance estimate learns from its real drafts."""
+        """A step read back: the confidences its drafts for the next step came with (a request
+        that ended since has given its slot away: skipped); the n-gram acceptance estimate
+        learns from its real drafts."""
+        if host.next_confidences is not None:
+            for s, conf in zip(seqs, host.next_confidences):
+                if s.slot and not s.is_finished:
+                    self.host_conf[s.slot, : len(conf)] = conf
         if self.ngram is None or host.num_real_drafts is None:
             return
         for s, n, acc in zip(seqs, host.num_real_drafts, host.num_accepted):

@@ -15,15 +15,20 @@ API (survivals on the host as numpy [n, k]; split_rows also takes torch tensors 
   choose(surv, base_rows, step_times, max_rows, room=None) -> BudgetChoice
   split_rows(surv, total) -> [n] int64: the rows of each request when `total` draft rows go by
       the global order of survivals. Tensor ops only (no .item(), no host sync, fixed shapes): it
-      runs on the device inside a CUDA graph, and on CPU.
+      runs on the device inside a CUDA graph, and on CPU. Not used by the engine yet: the host
+      lays out each request's rows, and moving rows between requests inside the step needs
+      the step's layout (positions, KV slots, attention metadata) built on the device.
   VerifyBudget(curve, max_rows), the engine's budget (VerifyBudget.for_engine measures the curve):
       .choose(surv, base_rows, room=None) -> BudgetChoice    against its curve
-      .choose_total(surv, base_rows, room=None) -> int       M alone. Under overlap the host
-          fixes step N+1's total (its graph bucket) from one-step-old confidences and the device
-          splits it by the newest ones with split_rows.
+      .choose_total(surv, base_rows, room=None) -> int       M alone
       .observe_step(total_q, seconds)                        a real step refines the curve
-      .trim(ready, drafts, confs) -> list[int]               synchronous steps: choose and split
-          on the host with fresh confidences; keeps the metrics below
+      .allot(surv, base_rows, room=None) -> list[int]        the drafts each request verifies
+          (choose, exploration, the metrics below). Device drafters (overlap): the host sizes
+          step N+1 by the confidences read back from step N-1 (one step old: N, which drafts
+          for N+1, is still in flight); the device fills each request's rows with the newest
+          drafts.
+      .trim(ready, drafts, confs) -> list[int]               host drafters: allot() from the
+          fresh confidences of the drafts just proposed
       metrics: offered_rows, chosen_rows, expected_accepted, seqlens_q()
 
 Monotone: with a non-decreasing curve, scaling all survivals up by a common factor never lowers
@@ -140,22 +145,37 @@ class VerifyBudget:
     def trim(
         self, ready: list[Request], drafts: list[list[int]], confs: list[list[float]]
     ) -> list[int]:
-        """How many of its drafts each ready (decoding) request verifies next step. The step is
-        priced as the decode step of these requests: prompt chunks beside it are work the run
-        does anyway, so a draft row costs the run one row either way."""
+        """How many of its drafts each ready (decoding) request verifies next step, from fresh
+        confidences (host drafters, synchronous steps)."""
         lens = [len(d) for d in drafts]
-        k = max(lens, default=0)
-        conf = np.zeros((len(drafts), k))
+        conf = np.zeros((len(drafts), max(lens, default=0)))
         for i, (c, m) in enumerate(zip(confs, lens)):
             c = c[:m]
             conf[i, : len(c)] = c
-        surv = survivals(conf)  # zero past each request's drafts
-        keep = self.choose(surv, len(ready)).num_verify.tolist()
+        # zero past each request's drafts
+        return self.allot(survivals(conf), len(ready), offered=sum(lens))
+
+    def allot(
+        self,
+        surv: np.ndarray,
+        base_rows: int,
+        room: Sequence[int] | None = None,
+        offered: int | None = None,
+    ) -> list[int]:
+        """The drafts each request verifies: choose() against the curve, every EXPLORE_EVERY-th
+        call one request's drafts all verified, the metrics kept. The step is priced as the
+        decode step of these requests: prompt chunks beside it are work the run does anyway,
+        so a draft row costs the run one row either way. offered: the drafts proposed (for the
+        metrics; default: those of nonzero survival)."""
+        if room is not None:
+            k = surv.shape[1]
+            surv = np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
+        keep = self.choose(surv, base_rows).num_verify.tolist()
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
-            self._explore(surv, keep, len(ready))
-        kept = np.arange(k)[None, :] < np.asarray(keep)[:, None]
-        self.offered_rows += sum(lens)
+            self._explore(surv, keep, base_rows)
+        kept = np.arange(surv.shape[1])[None, :] < np.asarray(keep, dtype=np.int64)[:, None]
+        self.offered_rows += int(np.count_nonzero(surv > 0.0)) if offered is None else offered
         self.chosen_rows += sum(keep)
         self.expected_accepted += float(surv[kept].sum())
         self._kept.update(keep)

@@ -14,7 +14,9 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.sample.layout import build_layout
 from specserve.speculative.ngram import NgramIndex
 from specserve.speculative.ngram_device import NgramDeviceDrafter
+from specserve.speculative.verify_budget import EXPLORE_EVERY
 from tests.engine.conftest import make_llm, prompts_of
+from tests.speculative.conftest import curve_of
 
 GOLD = [random.Random(0).randrange(3, 49000) for _ in range(40)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -289,25 +291,58 @@ def test_device_draft_model(temperature):
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
 
 
-def test_a_device_split_chooses_which_drafts_are_verified():
-    """The verify budget's device split plugs into StepSampler.split_rows: drafts past each
-    request's share check -1 (never accepted); outputs stay those of speculation off."""
-    prompts = prompts_of([5] * 4, seed=13)
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, golden_token_ids=GOLD)
-    want = _run(make_llm(max_num_seqs=4), prompts, sp)
-    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=GOLDEN)
-    seen = []
+def _budgeted(rate: float, cost, k: int = 4):
+    """An overlapped golden engine whose verify budget prices a step of r rows at cost(r),
+    real steps never correcting it (so what it chooses is what the curve says)."""
+    spec = GOLDEN | {"acceptance_rate": rate, "num_speculative_tokens": k}
+    llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=spec, debug_invariants=True)
+    budget = llm.engine.budget
+    assert budget is not None and llm.engine.device_drafting is not None
+    budget.curve = curve_of([int(b) for b in budget.curve.buckets], cost)
+    budget.observe_step = lambda rows, seconds: None
+    rows: list[tuple[int, int]] = []  # (decode requests, rows) of each decode-shaped step
+    launch = llm.engine._launch
 
-    def split(survivals, total):  # the first draft of each request only
-        seen.append((tuple(survivals.shape), total))
-        return torch.ones(survivals.shape[0], dtype=torch.int64)
+    def spy(batch, overlap):
+        if batch.is_decode_shaped:
+            rows.append((len(batch.seqs), batch.num_rows))
+        return launch(batch, overlap)
 
-    llm.engine.sampler.split_rows = split
-    assert _run(llm, prompts, sp) == want
+    llm.engine._launch = spy
+    return llm, rows
+
+
+_BUDGET_PROMPTS = prompts_of([5] * 4, seed=13)
+_BUDGET_SP = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, golden_token_ids=GOLD)
+
+
+def test_the_budget_sizes_device_drafts_by_the_curve():
+    """Draft rows that cost more than they can yield are laid out only by the budget's
+    exploration (one request's drafts every EXPLORE_EVERY-th step): every other decode step is
+    a plain step. Free rows are all taken. Outputs are those of speculation off either way."""
+    want = _run(make_llm(max_num_seqs=4), _BUDGET_PROMPTS, _BUDGET_SP)
+    dear, dear_rows = _budgeted(0.7, lambda r: 1.0 if r <= 4 else 100.0)
+    assert _run(dear, _BUDGET_PROMPTS, _BUDGET_SP) == want
+    explored = dear.engine.budget._calls // EXPLORE_EVERY
+    assert dear.engine.ledger.spec.num_drafts <= explored
+    assert sum(n != r for n, r in dear_rows) <= explored < len(dear_rows) // 4
+    assert dear.engine.num_sync_steps == 0
+    free, free_rows = _budgeted(0.7, lambda r: 1.0)
+    assert _run(free, _BUDGET_PROMPTS, _BUDGET_SP) == want
+    assert any(r == 5 * n for n, r in free_rows)  # every request its k = 4 drafts
+    assert free.engine.ledger.spec.num_accepted_tokens > 0
+
+
+def test_zero_confidence_gives_no_draft_rows_once_read_back():
+    """Golden drafts that are always wrong come with confidence 0: after the first decode step
+    of each request (verified at the prior, before any readback) no draft row is laid out."""
+    want = _run(make_llm(max_num_seqs=4), _BUDGET_PROMPTS, _BUDGET_SP)
+    llm, rows = _budgeted(0.0, lambda r: 1.0 + 0.01 * r)
+    assert _run(llm, _BUDGET_PROMPTS, _BUDGET_SP) == want
     spec = llm.engine.ledger.spec
-    assert spec.num_accepted_tokens > 0
-    assert len(spec.verified_per_position) == 1  # only first drafts were verified
-    assert all(shape[1] == 4 and total >= 0 for shape, total in seen)
+    assert spec.num_accepted_tokens == 0
+    assert spec.num_draft_tokens <= len(_BUDGET_PROMPTS) * 4
+    assert all(n == r for n, r in rows[2:])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
