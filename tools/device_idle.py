@@ -3,7 +3,8 @@
     python tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --json idle.json
 
 B requests of --input-len random tokens start together and decode --max-tokens tokens each
-(ignore_eos); CUDA events bracket every step (runner/timeline.py) and the summary covers the
+(ignore_eos), with golden speculation on the device when --golden-rate is given (k drafts, the
+verify budget on); CUDA events bracket every step (runner/timeline.py) and the summary covers the
 pure decode steps: idle = sum of gaps between one step's last queued work and the next step's
 first, as a share of the device time they span.
 """
@@ -23,7 +24,12 @@ from specserve.bench.report import hardware_info, software_info, timestamp
 def measure(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     from specserve import LLM, SamplingParams
 
+    spec = None
+    if args.golden_rate is not None:
+        spec = {"method": "golden", "num_speculative_tokens": args.k}
+        spec["acceptance_rate"] = args.golden_rate
     llm = LLM(
+        speculative_config=spec,
         model=args.model,
         dtype=args.dtype,
         max_num_seqs=args.batch,
@@ -37,7 +43,8 @@ def measure(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
-    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    gold = [rng.randrange(3, vocab) for _ in range(args.max_tokens)] if spec else None
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, golden_token_ids=gold)
     # warm-up on the same shapes: Triton JIT and cuBLAS choices happen here, not in the timing
     llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     eng.timeline.start()
@@ -49,6 +56,8 @@ def measure(args: argparse.Namespace, overlap: bool) -> dict[str, Any]:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "overlap": overlap,
+        "num_sync_steps": eng.num_sync_steps,
+        "tokens_per_request_step": tokens / max(1, s.num_steps * args.batch),
         "decode_steps": s.num_steps,
         "idle_fraction": s.idle_fraction,
         "device_busy_ms_per_step": s.busy_ms / max(1, s.num_steps),
@@ -67,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--modes", default="overlap,sync", help="comma list of overlap, sync")
+    p.add_argument("--golden-rate", type=float, default=None, help="golden drafts at this rate")
+    p.add_argument("--k", type=int, default=4, help="with --golden-rate: drafts per request")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
