@@ -3,9 +3,12 @@
 One curve, three parts:
 - a start-up sweep: one synthetic decode/verify step per graph bucket (cached per machine and
   model under $SPECSERVE_CACHE/step-cost), the price of every bucket until real steps run in it;
-- online per-bucket averages: a bucket that has run real steps is priced at the median of its
-  last WINDOW of them (the first real step of each bucket is a warm-up and is left out: a kernel
-  compiled for a new shape once took 2.5 s on the H200 where the step takes 6 ms);
+- online per-bucket averages: a bucket that has run SWEEP_REPS real steps is priced at the median
+  of its last WINDOW of them (the first real step of each bucket is a warm-up and is left out: a
+  kernel compiled for a new shape once took 2.5 s on the H200 where the step takes 6 ms). Like
+  the sweep's own median of SWEEP_REPS, one stalled step among them (a compile, a collection, a
+  neighbour) never sets a price: an H200 sweep once saw a bucket priced at 0.5 s from one such
+  step, which then, as the floor of every larger bucket, kept the chooser below it for good;
 - a monotone envelope: an unmeasured bucket costs at least every measured smaller one (more rows
   never cost less: real steps outrank the start-up sweep), then cost(b) = min over buckets >= b,
   since a step can always be padded up to a larger bucket. Optimistic on purpose: a price too
@@ -60,16 +63,20 @@ class StepCostCurve:
             self._warm[i] = True
             return
         self._real[i].append(seconds)
-        self._value[i] = statistics.median(self._real[i])
-        self._env = None
+        if len(self._real[i]) >= SWEEP_REPS:
+            self._value[i] = statistics.median(self._real[i])
+            self._env = None
+
+    def _priced(self, i: int) -> bool:
+        return len(self._real[i]) >= SWEEP_REPS
 
     def observed(self, rows: int) -> bool:
-        return bool(self._real[int(np.searchsorted(self.buckets, rows))])
+        return self._priced(int(np.searchsorted(self.buckets, rows)))
 
     def envelope(self) -> np.ndarray:
         """[buckets] the monotone per-bucket prices."""
         if self._env is None:
-            seen = np.array([bool(r) for r in self._real])
+            seen = np.array([self._priced(i) for i in range(len(self._real))])
             # an unmeasured bucket costs at least every measured smaller one: otherwise one
             # that is never reached (past what the drafts can fill) would keep every bucket
             # below it at its start-up price, however dear real steps found them

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from specserve.speculative.step_cost import StepCostCurve
+from specserve.speculative.step_cost import SWEEP_REPS, StepCostCurve
 
 
 def curve_of(buckets: list[int], cost, padded: bool = False) -> StepCostCurve:
@@ -10,8 +10,9 @@ def curve_of(buckets: list[int], cost, padded: bool = False) -> StepCostCurve:
     return StepCostCurve(buckets, [float(cost(b)) for b in buckets], padded)
 
 
-def run_steps(curve: StepCostCurve, rows: int, cost, n: int = 3) -> None:
-    """n real steps of `rows` rows costing cost(rows) (the first is the bucket's warm-up)."""
+def run_steps(curve: StepCostCurve, rows: int, cost, n: int = 1 + SWEEP_REPS) -> None:
+    """n real steps of `rows` rows costing cost(rows) (the first is the bucket's warm-up; by
+    default the rest are just enough to price the bucket)."""
     for _ in range(n):
         curve.observe(rows, float(cost(rows)))
 
