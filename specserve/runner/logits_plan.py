@@ -66,7 +66,8 @@ def plan_logits_processing(
         n = len(d) + 1
         if seq.is_finished:
             # it ended in the ledger of the step before (a deferred plan: StepSampler.complete):
-            # its rows are discarded, and its grammar may have terminated
+            # its rows are discarded. Nothing is built for them: checked against a complete
+            # grammar, its allowed ids could fail the step of all the others
             row += n
             continue
         if p.logit_bias:

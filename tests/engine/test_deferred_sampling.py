@@ -6,6 +6,7 @@ outputs, requests that end while their next row is queued, aborts, failures roll
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -279,3 +280,75 @@ def test_a_ledger_failure_drops_the_deferred_step_behind_it(monkeypatch):
         eng.step()
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
     assert _run(llm, prompts[:2], params[:2]) == _run(_llm(False), prompts[:2], params[:2])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_drafts_and_deferred_sampling_in_one_step(temperature):
+    """A device drafter (golden: its drafts get accepted at any temperature): the plain
+    requests verify drafts whose rows the device shifts by the step in flight's rejections, the
+    host-token requests verify none and have their sampling deferred, in the same steps. The
+    plan read at launch keeps the shifted requests' RNG counters exact: tokens equal
+    speculation off on the synchronous engine."""
+    prompts, params = _workload(temperature)
+    gold = prompts_of([40], seed=9)[0]
+    for i in (3, 8):
+        params[i] = dataclasses.replace(params[i], golden_token_ids=gold)
+    want = _run(_llm(False), prompts, params)
+    spec = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.7}
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=spec, debug_invariants=True)
+    eng = llm.engine
+    assert eng.device_drafting is not None
+    both = []  # deferred steps with rows shifted behind drafts in flight
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        launched = real_launch(batch, overlap)
+        both.append(launched.deferred is not None and any(batch.shifts))
+        return launched
+
+    eng._launch = launch
+    got = _run(llm, prompts, params)
+    # logprobs left out: verify rows batch the logits differently
+    assert [r[:5] for r in got] == [r[:5] for r in want]
+    assert any(both) and eng.num_sync_steps == 0
+    assert eng.ledger.spec.num_accepted_tokens > 0
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_preemption_under_deferred_steps_matches():
+    """KV for a few requests only: requests are preempted while their step flies (a deferred
+    one included) and recomputed; tokens equal the synchronous engine's."""
+    prompts, params = _workload(1.0)
+    kw = dict(kv_cache_memory_gb=13 * 8192 / 2**30, max_num_batched_tokens=32)
+    want = _run(_llm(False, **kw), prompts, params)
+    llm = _llm(True, **kw)
+    eng = llm.engine
+    preempted = []
+    real = eng.scheduler._preempt
+    eng.scheduler._preempt = lambda s: (preempted.append(s.request_id), real(s))
+    got = _run(llm, prompts, params)
+    assert [r[:5] for r in got] == [r[:5] for r in want]
+    _check_grammars(params, got)
+    assert preempted and eng.num_deferred_steps > 0
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_a_request_its_grammar_ended_gets_no_plan_in_the_step_behind():
+    """A request whose grammar completes in step N still has a row in step N+1, planned after
+    N's ledger: nothing is built for it there. Here its allowed ids fit no row of the complete
+    grammar (only EOS may follow): checked, they would fail the step for everyone."""
+    llm = _llm(True)
+    eng = llm.engine
+    sp = SamplingParams(
+        max_tokens=10,
+        temperature=0.0,
+        structured_outputs={"choice": ["alpha"]},
+        allowed_token_ids=eng.tokenizer.encode("alpha"),
+    )
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = _run(_llm(False), ["Pick:", "hello"], [sp, plain])
+    sync0, deferred0 = eng.num_sync_steps, eng.num_deferred_steps
+    got = _run(llm, ["Pick:", "hello"], [sp, plain])
+    assert got == want and got[0][1:3] == ("alpha", "stop")
+    assert eng.num_deferred_steps > deferred0
+    assert eng.num_sync_steps == sync0  # no step failed (a search runs synchronous steps)
