@@ -1,6 +1,7 @@
 """Overlap scheduling (ZOS) on CPU: the same pipeline as on the GPU (ledger one step late, anchor
 tokens read from the device-resident next_tokens buffer), checked against the synchronous path.
-On CPU the device work runs inline, so these tests pin the bookkeeping, not the concurrency."""
+On CPU the device work runs in the engine's worker thread. Steps whose sampling reads the tokens
+of the step in flight on the host: test_deferred_sampling.py."""
 
 import pytest
 
