@@ -8,9 +8,8 @@ import logging
 import numbers
 import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -22,6 +21,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import resolve_device, resolve_dtype
 from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
+from specserve.engine.launch import LaunchedStep, Launcher, settle
 from specserve.engine.ledger import HostStepResult, Ledger
 from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
@@ -30,7 +30,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.model.loader import cache_dir, load_model
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
-from specserve.runner.step_sampler import SampledStep, StepSampler
+from specserve.runner.step_sampler import StepSampler
 from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.speculative.device_drafting import DEVICE_METHODS, DeviceDrafting
@@ -41,35 +41,6 @@ from specserve.structured.backend import GrammarBackend
 
 log = logging.getLogger("specserve.engine")
 _FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
-
-
-class _WorkerStep:
-    """A step whose device part runs in the CPU worker thread: waits for it, then for its
-    results (None for a step of prefill chunks only)."""
-
-    def __init__(self, future: Future) -> None:
-        self.future = future
-
-    def wait(self) -> HostStepResult | None:
-        sampled = self.future.result()
-        return sampled.wait() if sampled is not None else None
-
-
-class LaunchedStep(NamedTuple):
-    batch: StepBatch
-    seqs: list[Sequence]  # its sampling requests, in verify-layout order
-    sampled: SampledStep | _WorkerStep | None  # None: a step of prefill chunks only
-    t0: float  # host time at launch (the step-cost curve)
-    overlapped: bool  # processed at the next step() (its ledger one step late)
-    behind: bool  # launched while its predecessor was still in flight (device queue never empty)
-
-
-def _settle(launched: LaunchedStep) -> None:
-    """A launched step that will be rolled back: let its device part finish first, whatever its
-    outcome (the CPU worker may still be writing its KV rows). On CUDA nothing to wait for: a
-    step re-run later is queued behind it on the same stream, so its own writes land last."""
-    if isinstance(launched.sampled, _WorkerStep):
-        launched.sampled.future.exception()  # waits; the failure is the step's, discarded
 
 
 @dataclass
@@ -215,6 +186,7 @@ class LLMEngine:
         self.pool = OutputPool(cap)
         self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
         self.sampler = StepSampler(self.device, eos, mc.vocab_size, self.slot_pool)
+        self.launcher = Launcher(self)  # queues each step's device work (engine/launch.py)
         # structured outputs: xgrammar is set up at the first request that needs it
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
         self.requests: dict[str, Sequence] = {}
@@ -222,12 +194,12 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.num_steps = 0
-        self.num_sync_steps = 0  # launched synchronously (drafts, penalties, or overlap off)
+        self.num_sync_steps = 0  # launched synchronously (host drafts, or overlap off)
+        # launched behind the step in flight with their sampling queued after its ledger (a
+        # request reads its output tokens on the host: launch.py)
+        self.num_deferred_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
-        # live requests whose sampler reads every output token on the host (penalties, bad
-        # words): they force synchronous steps
-        self._num_penalized = 0
         # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
         # so steps still run in order and each reads the next_tokens its predecessor wrote)
         self._worker = (
@@ -333,7 +305,6 @@ class LLMEngine:
                 params.min_tokens,
             )
         self.requests[request_id] = seq
-        self._num_penalized += params.reads_output_tokens
         self.scheduler.add(seq)
         if seq.is_finished:  # prompt too long: finish_reason prompt_length_exceeded
             self._terminal.append(seq)
@@ -351,7 +322,6 @@ class LLMEngine:
         """Drop a finished request whose final output has been handed out."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self._num_penalized -= seq.params.reads_output_tokens
             if self.drafter is not None:
                 self.drafter.release(seq)
             if self.device_drafting is not None:
@@ -375,7 +345,9 @@ class LLMEngine:
     def step(self) -> list[TokenOutput]:
         """Synchronous: schedule, launch and process step N. Overlap: schedule and launch step
         N+1, then process step N (still running on the device until its readback arrives, while
-        N+1 queues behind it), so the ledger is one step late; a step with no rows flushes.
+        N+1 queues behind it), so the ledger is one step late; a step with no rows flushes. A
+        step N+1 whose sampling reads step N's tokens on the host (grammars, penalties, bad
+        words) queues its forward first and its sampling after N's ledger (launch.py).
 
         A step that fails before the ledger is rolled back and its requests searched for the
         ones whose inputs caused it (isolation.py): only those end, with finish_reason "error";
@@ -396,7 +368,7 @@ class LLMEngine:
     def _step(self) -> list[TokenOutput]:
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
-        if self._inflight is not None and (not overlap or self._needs_sync()):
+        if self._inflight is not None and not overlap:
             # taken before processing: a step whose readback raised is not processed again
             inflight, self._inflight = self._inflight, None
             host = self._read_or_roll_back(inflight)
@@ -429,11 +401,9 @@ class LLMEngine:
         else:
             inflight, self._inflight = self._inflight, launched
             if inflight is not None:
-                host = self._read_or_roll_back(inflight, newer=launched)
-                if host is _FAILED:
-                    self._inflight = None  # rolled back with it: it read the failed step's tokens
-                else:
-                    outputs += self._commit(inflight, host, batch.step, draft=False)
+                outputs += self._process_in_flight(inflight, launched, batch.step)
+            if self._inflight is not None and self._inflight.deferred is not None:
+                self._finish_deferred(self._inflight)  # planned from the tokens just committed
         return outputs
 
     def _draft_caps(self) -> dict[int, int] | None:
@@ -446,6 +416,35 @@ class LLMEngine:
         k, limit = self.slot_pool.k, self.max_num_batched_tokens
         room = [draft_rows(s, k, limit, self.max_model_len) for s in ready]
         return {s.slot: m for s, m in zip(ready, dd.allot(ready, self.budget, room))}
+
+    def _process_in_flight(
+        self, inflight: LaunchedStep, newer: LaunchedStep | None, out_step: int
+    ) -> list[TokenOutput]:
+        """Read back and commit the step in flight, `newer` launched behind it."""
+        host = self._read_or_roll_back(inflight, newer=newer)
+        if host is _FAILED:
+            self._inflight = None  # rolled back with it: it read the failed step's tokens
+            return []
+        try:
+            return self._commit(inflight, host, out_step, draft=False)
+        except BaseException:
+            if newer is not None and newer.deferred is not None:
+                # a ledger that failed midway plans no sampling: the step is undone
+                self._inflight = None
+                settle(newer)
+                self.scheduler.roll_back(newer.batch, undo_pending=False)
+            raise
+
+    def _finish_deferred(self, launched: LaunchedStep) -> None:
+        """Queue a deferred step's sampling. Planning it fails like launching a step does (a
+        grammar whose mask the request's other bans empty): rolled back, its requests searched."""
+        try:
+            self.launcher.finish(launched)
+        except Exception as e:
+            self._inflight = None
+            settle(launched)
+            self.scheduler.roll_back(launched.batch, undo_pending=False)
+            self._isolate(launched.batch.seqs, e)
 
     def _take_terminal(self, step: int) -> list[TokenOutput]:
         """The outputs of requests that ended without a token (aborted, refused, failed)."""
@@ -479,7 +478,7 @@ class LLMEngine:
             return self._read(launched)
         except Exception as e:
             if newer is not None:
-                _settle(newer)
+                settle(newer)
                 self.scheduler.roll_back(newer.batch, undo_pending=newer.overlapped)
             self.scheduler.roll_back(launched.batch, undo_pending=launched.overlapped)
             self._isolate(launched.batch.seqs, e)
@@ -529,76 +528,18 @@ class LLMEngine:
             in_flight=self._inflight is not None
         )
 
-    def _needs_sync(self) -> bool:
-        """Penalties read every output token on the host: a step with such a request waits for
-        the step in flight first."""
-        return self._num_penalized > 0
-
     def _launch(self, batch: StepBatch, overlap: bool) -> LaunchedStep:
-        """Queue the step's forward and verification on the device; nothing waits for it."""
-        t0 = time.perf_counter()
-        dd = self.device_drafting
-        assert not (overlap and any(batch.num_drafts) and dd is None), "host drafts need sync"
-        seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
-        self.timeline.begin("decode" if batch.is_decode_shaped else "other")
-        inputs = self.runner.prepare(batch)
-        plan = draft_q = hook = None
-        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
-        worker = overlap and self._worker is not None
-        admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
-        plan_args: dict = {}
-        if dd is not None and seqs:
-            hook, plan_args = self._device_drafting_step(batch, seqs, drafts)
-        if seqs:
-            if worker:  # read from the requests before this thread moves on
-                plan = self.sampler.plan(seqs, drafts, **plan_args)
-            draft_q = self.speculator.draft_q(seqs, drafts) if self.speculator else None
-        # the token each request sampled: the next overlapped step (or drafting step) reads it
-        next_tokens = self.runner.next_tokens if overlap or dd is not None else None
-
-        def device_part() -> SampledStep | None:
-            if admitted:
-                dd.apply(admitted)
-            logits = self.runner.forward(inputs)
-            if not seqs:
-                return None
-            # in this thread the plan (grammar bitmasks: host work) is built while the device
-            # runs the forward just queued
-            p = plan if plan is not None else self.sampler.plan(seqs, drafts, **plan_args)
-            return self.sampler.execute(p, logits, draft_q, next_tokens, hook)
-
-        if worker:
-            # CPU: the forward runs in the worker while this thread runs the ledger of the
-            # previous step and builds the next one (torch releases the GIL inside its ops)
-            sampled: SampledStep | _WorkerStep | None = _WorkerStep(
-                self._worker.submit(device_part)
-            )
-        else:
-            sampled = device_part()
-        if overlap:
-            for s, nd in zip(seqs, (len(d) for d in drafts)):
-                s.num_pending += 1
-                s.num_pending_drafts += nd
-        self.timeline.end()
-        return LaunchedStep(batch, seqs, sampled, t0, overlap, self._inflight is not None)
-
-    def _device_drafting_step(
-        self, batch: StepBatch, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> tuple:
-        """A device drafter's part of a step: the drafting hook that runs after its
-        verification, and the sampler plan's arguments (drafts read from the slot pool, rows
-        moved back by the rejections of the step in flight)."""
-        kept = [i for i, sm in enumerate(batch.samples) if sm]
-        anchors = [batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept]
-        hook = self.device_drafting.step_hook(seqs, anchors, [len(d) for d in drafts])
-        shifts = [batch.shifts[i] for i in kept]
-        return hook, dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)
+        """Queue the step's device work (launch.py); nothing waits for it."""
+        launched = self.launcher.launch(batch, overlap, behind=self._inflight is not None)
+        self.num_deferred_steps += launched.deferred is not None
+        return launched
 
     def _read(self, launched: LaunchedStep) -> HostStepResult | None:
         """Wait for a launched step's results (the designed sync point); the drafter learns
         from them. Everything before the ledger: a failure here leaves no trace once the step
         is rolled back."""
         batch, seqs = launched.batch, launched.seqs
+        assert launched.deferred is None, "a deferred step's sampling was never queued"
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.tp:
             self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)

@@ -108,6 +108,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.repeats):
         for mode in ("plain", "json") if r % 2 == 0 else ("json", "plain"):
             s0, rows0, sec0 = stats.steps, stats.rows, stats.seconds
+            deferred0 = llm.engine.num_deferred_steps
             res = _closed_loop(llm, reqs[mode], args.concurrency)
             runs[mode].append(
                 {
@@ -119,6 +120,8 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "mask_steps": stats.steps - s0,
                     "mask_rows": stats.rows - rows0,
                     "mask_ms_per_step": 1e3 * (stats.seconds - sec0) / max(res.steps, 1),
+                    # overlap: steps whose sampling waited for the ledger of the one in flight
+                    "deferred_steps": llm.engine.num_deferred_steps - deferred0,
                 }
             )
     step_ratio = [j["step_ms"] / p["step_ms"] for j, p in zip(runs["json"], runs["plain"])]

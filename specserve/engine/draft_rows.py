@@ -19,8 +19,8 @@ def draft_rows(seq: Sequence, k: int, row_budget: int, max_model_len: int) -> in
     max_model_len, max_tokens or the step's row budget. Counts the drafts in flight as
     accepted (an upper bound on its tokens), so the room is never overestimated."""
     if seq.params.reads_output_tokens:
-        # penalties, bad words, grammars read every token on the host: such a request's
-        # steps are synchronous and verify no drafts of a device drafter
+        # penalties, bad words, grammars read every token on the host, drafts included: the
+        # host never sees a device drafter's drafts, so such a request verifies none
         return 0
     n_tokens = seq.num_tokens + seq.num_pending + seq.num_pending_drafts
     room = min(k, row_budget - 1, max_model_len - n_tokens)

@@ -64,6 +64,12 @@ def plan_logits_processing(
     for seq, d in zip(seqs, drafts):
         p = seq.params
         n = len(d) + 1
+        if seq.is_finished:
+            # it ended in the ledger of the step before (a deferred plan: StepSampler.complete):
+            # its rows are discarded. Nothing is built for them: checked against a complete
+            # grammar, its allowed ids could fail the step of all the others
+            row += n
+            continue
         if p.logit_bias:
             cols, vals = list(p.logit_bias), list(p.logit_bias.values())
             for j in range(n):

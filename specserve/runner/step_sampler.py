@@ -162,6 +162,7 @@ class StepSampler:
         device_drafts: bool = False,
         shifts: list[bool] | None = None,
         anchor_pos: list[int] | None = None,
+        deferred: bool = False,
     ) -> SamplerPlan:
         """Everything the verification needs from the host, read from the requests now (so the
         device part may run later, e.g. in a worker thread, while the ledger moves on). A
@@ -171,7 +172,8 @@ class StepSampler:
         With a device drafter (device_drafts) drafts[i] are placeholders for the slot pool's,
         and a request with shifts[i] has drafts in flight: its output index counts them as
         accepted, and the device takes off the ones its step rejected (DraftFeed). anchor_pos:
-        the KV position of each request's anchor row as laid out (device drafters only)."""
+        the KV position of each request's anchor row as laid out (device drafters only).
+        deferred: leave out the host-token half (complete() adds it after the ledger)."""
         seqlens_q = [1 + len(d) for d in drafts]
         row_params, row_seeds, row_counters = [], [], []
         draft_rows: list[int] = []
@@ -183,10 +185,7 @@ class StepSampler:
                 row_counters.append(n_out + j)
             draft_rows.extend(d)
             draft_rows.append(0)  # the last row verifies nothing
-        penalties = None
-        if any(s.params.has_penalties for s in seqs):
-            assert not any(s.num_pending for s in seqs), "penalties need every output token"
-            penalties = self._penalty_inputs(seqs, drafts)
+        processing, penalties = (None, None) if deferred else self._host_tokens(seqs, drafts)
         want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         feed = None
         shifted = shifts is not None and any(shifts)
@@ -203,12 +202,31 @@ class StepSampler:
             None if golden else self._forced(seqs, drafts),
             h2d([s.slot for s in seqs], torch.int64, self.device),
             max(want) if want else None,
-            plan_logits_processing(seqs, drafts, self.device),
+            processing,
             feed,
             limit,
             golden,
             seqlens_q,
         )
+
+    def complete(
+        self, plan: SamplerPlan, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> SamplerPlan:
+        """A deferred plan's host-token half, built once the ledger has appended every token
+        before the step's rows (overlap: the step in flight read back)."""
+        processing, penalties = self._host_tokens(seqs, drafts)
+        return plan._replace(processing=processing, penalties=penalties)
+
+    def _host_tokens(
+        self, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple[LogitsProcessing | None, PenaltyInputs | None]:
+        """What reads the requests' output tokens on the host: logits processing (grammar
+        bitmasks, bad words; logit bias and allowed ids come along) and penalty inputs."""
+        penalties = None
+        if any(s.params.has_penalties for s in seqs):
+            assert not any(s.num_pending for s in seqs), "penalties need every output token"
+            penalties = self._penalty_inputs(seqs, drafts)
+        return plan_logits_processing(seqs, drafts, self.device), penalties
 
     def _feed(
         self,

@@ -154,10 +154,10 @@ def test_a_request_that_fails_mid_run_keeps_its_emitted_tokens_and_the_others_co
     real_plan = eng.sampler.plan
     victim = {}
 
-    def plan(seqs, drafts):
+    def plan(seqs, drafts, **kw):
         if any(s is victim.get("seq") and s.num_output_tokens >= 3 for s in seqs):
             raise RuntimeError("boom")
-        return real_plan(seqs, drafts)
+        return real_plan(seqs, drafts, **kw)
 
     eng.sampler.plan = plan
     try:
@@ -203,10 +203,10 @@ def test_isolation_with_speculation_keeps_greedy_outputs(sync_llm, spec):
     real_plan = eng.sampler.plan
     victim = {}
 
-    def plan(seqs, drafts):
+    def plan(seqs, drafts, **kw):
         if any(s is victim.get("seq") and s.num_output_tokens >= 4 for s in seqs):
             raise RuntimeError("late boom")
-        return real_plan(seqs, drafts)
+        return real_plan(seqs, drafts, **kw)
 
     eng.sampler.plan = plan
     res = run(eng, prompts, [GREEDY] * 4, lambda i, s: i == 3 and victim.update(seq=s))
@@ -242,7 +242,7 @@ def test_a_fault_no_request_explains_is_an_engine_error():
     llm = make_llm(max_num_seqs=8)
     eng = llm.engine
 
-    def plan(seqs, drafts):
+    def plan(seqs, drafts, **kw):
         raise RuntimeError("the sampler is broken")
 
     eng.sampler.plan = plan
@@ -330,10 +330,10 @@ def test_the_server_answers_only_the_failed_request_with_a_500():
     eng = make_llm(max_num_seqs=4).engine
     real_plan = eng.sampler.plan
 
-    def plan(seqs, drafts):
+    def plan(seqs, drafts, **kw):
         if any(s.request_id.startswith("bad") for s in seqs):
             raise RuntimeError("boom")
-        return real_plan(seqs, drafts)
+        return real_plan(seqs, drafts, **kw)
 
     eng.sampler.plan = plan
     client = AsyncEngine(eng)

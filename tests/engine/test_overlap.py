@@ -1,6 +1,7 @@
 """Overlap scheduling (ZOS) on CPU: the same pipeline as on the GPU (ledger one step late, anchor
 tokens read from the device-resident next_tokens buffer), checked against the synchronous path.
-On CPU the device work runs inline, so these tests pin the bookkeeping, not the concurrency."""
+On CPU the device work runs in the engine's worker thread. Steps whose sampling reads the tokens
+of the step in flight on the host: test_deferred_sampling.py."""
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_overlap_under_preemption_matches_synchronous():
     assert over_llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_penalties_flush_the_step_in_flight_and_match():
+def test_penalties_defer_their_sampling_and_match():
     prompts = prompts_of([6, 13, 9])
     params = [
         SamplingParams(max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
@@ -247,8 +248,9 @@ def test_fixed_k_overlaps_the_steps_without_drafts_and_matches_the_synchronous_e
 
 
 def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monkeypatch):
-    """A penalized request makes every step read the one in flight first; when that drafting
-    keeps drafts, the step that verifies them must not be launched overlapped."""
+    """With a host drafter a decode step reads the one in flight first, to draft; when that
+    drafting keeps drafts for a penalized request's batch, the step that verifies them must
+    not be launched overlapped."""
     prompts = prompts_of([12, 20]) + [[101, 102, 103, 104] * 8]
     params = [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.2),

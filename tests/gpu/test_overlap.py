@@ -1,11 +1,16 @@
 """Overlap scheduling on the GPU: outputs with overlap on == off (graphs and eager), and the sync
 guard: the device portion of a step never synchronises with the host except at the one designed
-point (`ops/transfer.designed_sync`, the wait for the step in flight's results)."""
+point (`ops/transfer.designed_sync`, the wait for the step in flight's results). Requests that
+read their output tokens on the host (grammars, penalties, bad words) overlap too: their
+sampling is queued after the ledger of the step in flight (engine/launch.py)."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
+import jsonschema
 import pytest
 import torch
 
@@ -127,3 +132,119 @@ def test_sync_guard_catches_a_sync(cuda: torch.device) -> None:
         torch.cuda.set_sync_debug_mode(0)
         eng.runner.forward = real
         eng.fail_all()
+
+
+# -- requests that read their output tokens on the host (deferred sampling, engine/launch.py) --
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "s": {"enum": ["x", "y"]},
+    },
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+REGEX = "[a-z]{2,5}-[0-9]{2}"
+CHOICES = ["alpha", "beta gamma", "delta"]
+
+
+def _host_token_workload():
+    """Grammars, penalties and bad words next to plain requests; some end by content (grammar
+    complete, stop string, stop id) while their next step is already queued."""
+    rng = random.Random(1)
+    lens = [5, 17, 40, 64, 9, 3, 33, 70, 12, 21]
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in lens]
+    json_so = {"json": SCHEMA, "disable_any_whitespace": True}
+    params = [
+        SamplingParams(max_tokens=48, structured_outputs=json_so),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs={"regex": REGEX}),
+        SamplingParams(max_tokens=30, structured_outputs={"choice": CHOICES}, ignore_eos=True),
+        SamplingParams(
+            max_tokens=40, temperature=1.0, seed=4, repetition_penalty=1.3, frequency_penalty=0.3
+        ),
+        SamplingParams(max_tokens=40, presence_penalty=0.5, stop=["e", "a"]),
+        SamplingParams(max_tokens=40, bad_words=["the", " the"], ignore_eos=True),
+        SamplingParams(max_tokens=60, ignore_eos=True),
+        SamplingParams(max_tokens=45, temperature=1.0, seed=5, ignore_eos=True),
+        SamplingParams(
+            max_tokens=80,
+            repetition_penalty=1.2,
+            stop_token_ids=list(range(3, 20000)),
+            min_tokens=3,
+        ),
+        SamplingParams(max_tokens=25, logprobs=2, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def _check_grammars(params, outs) -> None:
+    for sp, o in zip(params, outs):
+        so, text, reason = sp.structured_outputs, o.outputs[0].text, o.outputs[0].finish_reason
+        if so is None or reason != "stop":
+            continue
+        if so.json is not None:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif so.regex is not None:
+            assert re.fullmatch(REGEX, text), text
+        else:
+            assert text in CHOICES, text
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_host_token_requests_overlap_and_match_on_gpu(
+    cuda: torch.device, enforce_eager: bool
+) -> None:
+    """Every step launches behind the one in flight: the forward first, the sampling once the
+    ledger has advanced the grammars and output tokens. Tokens equal the synchronous engine's
+    (greedy and seeded), usage equals the tokens streamed."""
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    prompts, params = _host_token_workload()
+    sync_outs = _llm(False, enforce_eager).generate(prompts, params, use_tqdm=False)
+    llm = _llm(True, enforce_eager)
+    eng = llm.engine
+    in_flight_at_launch = []
+    real_launch = eng._launch
+
+    def launch(batch, overlap):
+        in_flight_at_launch.append(eng._inflight is not None)
+        launched = real_launch(batch, overlap)
+        assert launched.behind == in_flight_at_launch[-1]
+        return launched
+
+    eng._launch = launch
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(sync_outs, outs)):
+        got, want = b.outputs[0], a.outputs[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), i
+        assert b.metrics.num_output_tokens == len(got.token_ids)
+    _check_grammars(params, outs)
+    assert eng.num_deferred_steps > 0 and eng.num_sync_steps == 0
+    # only the first step found nothing in flight: no step waited for a readback to launch
+    assert in_flight_at_launch.count(False) == 1
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 3
+
+
+def test_no_host_sync_inside_a_deferred_step(cuda: torch.device) -> None:
+    """The deferred steps (forward queued, ledger, grammar bitmask / penalty / bad-word inputs
+    uploaded, sampling queued) run under torch.cuda.set_sync_debug_mode("error") too."""
+    if cuda.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    llm = _llm(True)
+    eng = llm.engine
+    prompts, params = _host_token_workload()
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: JIT, grammars compiled, pools
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    deferred = eng.num_deferred_steps
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            outs = eng.step()
+            assert not any(o.finish_reason == "error" for o in outs), outs
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps > 20 and eng.num_deferred_steps - deferred > 10

@@ -106,7 +106,8 @@ def test_the_switch_keeps_drafting_on_the_host():
 
 def test_requests_that_read_their_tokens_on_the_host_verify_no_device_drafts():
     """Penalties (like bad words and grammars) read every token on the host: such a request
-    gets no draft rows and flushes the step in flight; the others keep speculating."""
+    gets no draft rows and its sampling waits for the ledger of the step in flight; the
+    others keep speculating."""
     prompts = [[101, 102, 103, 104] * 6, [101, 102, 103, 104] * 6]
     params = [
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),

@@ -1,7 +1,8 @@
 """55 JSON schemas in one engine run per mode: every output that completes parses and validates
 with jsonschema, every output cut by max_tokens is a prefix the grammar accepts, and the tokens
 are the same with speculation off, n-gram (all 55) and draft model (the first 24), greedy, and
-sampled with a seed for n-gram (the first 12; its drafts are one-hot), and with CPU overlap."""
+sampled with a seed for n-gram (the first 12; its drafts are one-hot), and with CPU overlap
+(sampling deferred behind the step in flight's ledger)."""
 
 from __future__ import annotations
 
@@ -82,11 +83,13 @@ def test_seeded_sampling_identical_with_ngram(off, ngram):
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
-def test_overlap_runs_structured_steps_synchronously(greedy_off):
+def test_overlap_defers_structured_sampling_and_matches(greedy_off):
     """CPU overlap (the forward in a worker thread, the ledger one step late): a request with
-    a grammar needs its tokens on the host before its next mask, so its steps run synchronous
-    and the outputs are those of the synchronous engine."""
+    a grammar needs its tokens on the host before its next mask, so each step queues its
+    forward behind the step in flight and its sampling after that step's ledger; the outputs
+    are those of the synchronous engine."""
     llm = make_llm(max_num_seqs=64, overlap=True, debug_invariants=True)
     outs = _run(llm, temperature=0.0)
     assert [o.token_ids for o in outs] == [o.token_ids for o in greedy_off]
     assert [o.finish_reason for o in outs] == [o.finish_reason for o in greedy_off]
+    assert llm.engine.num_deferred_steps > 0 and llm.engine.num_sync_steps == 0

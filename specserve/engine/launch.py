@@ -1,0 +1,182 @@
+"""Launching a step's device work: its forward, then its verification/sampling, queued without
+waiting; under overlap, the sampling of a step whose plan needs the step in flight deferred.
+
+Deferred sampling. A request that reads its output tokens on the host (a grammar's bitmask, bad
+words, penalties) cannot have its next sampling planned before the ledger has appended the
+tokens of the step in flight. Its rows can be laid out all the same: it verifies no drafts, and
+its anchor token is fed on the device from next_tokens like any overlapped request's. So a step
+N+1 holding such a request is launched in two parts:
+
+    launch(N+1)      N+1's forward queued behind step N (the device stays busy)
+    read, ledger N   the host appends N's tokens: grammar matchers and output tokens advance
+    finish(N+1)      the plan's host-token half built, N+1's sampling queued behind its forward
+
+and the ledger and the bitmask fill run while the device computes N+1's forward.
+
+The rest of the plan (RNG counters, min_tokens masks, golden rows, a device drafter's feed) is
+read at launch, as for any overlapped step: it counts the tokens of the step in flight as
+pending (device drafts as accepted, the device taking off the rejected ones), and read after
+that step's ledger it would count them twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from specserve.engine.ledger import HostStepResult
+from specserve.engine.scheduler import StepBatch
+from specserve.engine.sequence import Sequence
+from specserve.runner.step_sampler import SampledStep, SamplerPlan
+
+if TYPE_CHECKING:
+    from specserve.llm_engine import LLMEngine
+
+
+class WorkerStep:
+    """A step's device part queued in the CPU worker thread: waits for it, then for its results
+    (None for a forward alone: a step of prefill chunks only)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> HostStepResult | None:
+        out = self.future.result()
+        return out.wait() if isinstance(out, SampledStep) else None
+
+
+class _Deferred(NamedTuple):
+    plan: SamplerPlan  # without its host-token half (StepSampler.plan(deferred=True))
+    drafts: list[list[int]]  # of its sampling requests
+    sample: Callable[[SamplerPlan], SampledStep | WorkerStep]  # queues the sampling
+
+
+@dataclass
+class LaunchedStep:
+    batch: StepBatch
+    seqs: list[Sequence]  # its sampling requests, in verify-layout order
+    t0: float  # host time at launch (the step-cost curve)
+    behind: bool  # launched while its predecessor was still in flight (device queue never empty)
+    # its results on their way; None: a step of prefill chunks only, or sampling still deferred
+    sampled: SampledStep | WorkerStep | None = None
+    # overlapped: its requests count its tokens as pending, so it is processed at the next
+    # step() (its ledger one step late); set once all its device work is queued
+    overlapped: bool = False
+    deferred: _Deferred | None = None  # sampling to queue after the step in flight's ledger
+    forward: Future | None = None  # CPU worker: its forward
+
+
+def settle(launched: LaunchedStep) -> None:
+    """A launched step that will be rolled back: let its device part finish first, whatever its
+    outcome (the CPU worker may still be writing its KV rows). On CUDA nothing to wait for: a
+    step re-run later is queued behind it on the same stream, so its own writes land last."""
+    if isinstance(launched.sampled, WorkerStep):
+        launched.sampled.future.exception()  # waits; the failure is the step's, discarded
+    elif launched.forward is not None:  # the worker runs one task at a time: the last queued
+        launched.forward.exception()
+
+
+def reads_tokens_in_flight(seqs: list[Sequence]) -> bool:
+    """Does a sampling request read, on the host, tokens the step in flight has yet to append?"""
+    return any(s.num_pending and s.params.reads_output_tokens for s in seqs)
+
+
+class Launcher:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine  # its runner, sampler, drafters, worker: read at each launch
+
+    def launch(self, batch: StepBatch, overlap: bool, behind: bool) -> LaunchedStep:
+        """Queue the step's forward and, unless deferred, its verification; nothing waits for
+        it. Deferred (overlapped behind a step in flight whose tokens a sampling request reads
+        on the host): finish() queues the verification once that step's ledger has run."""
+        t0 = time.perf_counter()
+        eng, dd = self.engine, self.engine.device_drafting
+        assert not (overlap and any(batch.num_drafts) and dd is None), "host drafts need sync"
+        seqs = [s for s, sm in zip(batch.seqs, batch.samples) if sm]
+        drafts = [d for d, sm in zip(batch.drafts, batch.samples) if sm]
+        eng.timeline.begin("decode" if batch.is_decode_shaped else "other")
+        inputs = eng.runner.prepare(batch)
+        admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
+        hook, plan_args = None, {}
+        if dd is not None and seqs:
+            hook, plan_args = self._device_drafting_step(batch, seqs, drafts)
+        draft_q = eng.speculator.draft_q(seqs, drafts) if eng.speculator and seqs else None
+        # the token each request sampled: the next overlapped step (or drafting step) reads it
+        next_tokens = eng.runner.next_tokens if overlap or dd is not None else None
+        defer = overlap and behind and reads_tokens_in_flight(seqs)
+        worker = eng._worker if overlap else None
+        step = LaunchedStep(batch, seqs, t0, behind)
+        logits: torch.Tensor | None = None  # inline (no worker): the forward's output
+
+        def forward() -> torch.Tensor:  # [total_q, V]
+            if admitted:
+                dd.apply(admitted)
+            return eng.runner.forward(inputs)
+
+        def plan() -> SamplerPlan | None:
+            return eng.sampler.plan(seqs, drafts, deferred=defer, **plan_args) if seqs else None
+
+        if worker is not None:
+            # CPU: the forward runs in the worker while this thread runs the ledger of the
+            # previous step and builds the next one (torch releases the GIL inside its ops)
+            p = plan()  # read from the requests before this thread moves on
+            step.forward = worker.submit(forward)
+        else:
+            logits = forward()
+            p = plan()  # host work (grammar bitmasks) while the device runs the forward queued
+
+        def sample(full: SamplerPlan) -> SampledStep | WorkerStep:
+            if worker is None:
+                return eng.sampler.execute(full, logits, draft_q, next_tokens, hook)
+
+            def run() -> SampledStep:  # in the worker: its forward ran before (one thread)
+                return eng.sampler.execute(full, step.forward.result(), draft_q, next_tokens, hook)
+
+            return WorkerStep(worker.submit(run))
+
+        if defer:
+            step.deferred = _Deferred(p, drafts, sample)
+            return step
+        if p is not None:
+            step.sampled = sample(p)
+        elif worker is not None:
+            step.sampled = WorkerStep(step.forward)
+        self._queued(step, overlap, drafts)
+        return step
+
+    def finish(self, step: LaunchedStep) -> None:
+        """Queue a deferred step's verification: the plan's host-token half built now, from the
+        requests the ledger of the step before has just advanced. A request that ended there
+        keeps its rows; the ledger discards them (StepSampler.complete leaves them alone)."""
+        d = step.deferred
+        plan = self.engine.sampler.complete(d.plan, step.seqs, d.drafts)
+        step.sampled = d.sample(plan)
+        step.deferred = None
+        self._queued(step, True, d.drafts)
+
+    def _queued(self, step: LaunchedStep, overlap: bool, drafts: list[list[int]]) -> None:
+        """All of the step's device work is queued: under overlap its requests now count its
+        tokens as pending (its drafts as accepted) until the ledger reads it back."""
+        if overlap:
+            step.overlapped = True
+            for s, d in zip(step.seqs, drafts):
+                s.num_pending += 1
+                s.num_pending_drafts += len(d)
+        self.engine.timeline.end()
+
+    def _device_drafting_step(
+        self, batch: StepBatch, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> tuple:
+        """A device drafter's part of a step: the drafting hook that runs after its
+        verification, and the sampler plan's arguments (drafts read from the slot pool, rows
+        moved back by the rejections of the step in flight)."""
+        kept = [i for i, sm in enumerate(batch.samples) if sm]
+        anchors = [batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept]
+        hook = self.engine.device_drafting.step_hook(seqs, anchors, [len(d) for d in drafts])
+        shifts = [batch.shifts[i] for i in kept]
+        return hook, dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)
