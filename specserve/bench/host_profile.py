@@ -1,0 +1,394 @@
+"""`specserve bench host-profile`: the host's microseconds per decode step, by phase.
+
+    specserve bench host-profile --model dummy:tiny --batch-sizes 1,256 --json host.json
+
+A Python engine reaches the device's speed only if each step's host work (scheduling, input
+building, the ledger, detokenization, output objects) fits under the device's step time. This
+measures that work on any machine: B requests of random prompt tokens (ignore_eos, greedy, so
+the device part stays small) decode together; after warm-up, two passes of --steps steady
+decode steps each are timed:
+
+- coarse: only the step loop and the device's part are timed. `host_cpu_us`: CPU time of the
+  engine's thread per step less the device's part (the forward and sampling, inline; under
+  --overlap on CPU they run in a worker thread and the wait for it costs no CPU), robust to the
+  other processes of a shared machine; `host_us`: the same on the wall clock;
+- fine: every phase below wrapped; exclusive time per phase (a phase's nested phases are
+  subtracted), so the phases add up to the period. Wrapping costs ~0.5 us per call, paid
+  per token by detokenize/outputs: `fine_host_us` - `host_us` is that cost.
+
+Phases: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: the step's inputs), plan
+(StepSampler.plan: the sampler's per-row inputs), launch (the rest of Launcher.launch),
+readback (SampledStep.wait: results to host lists), ledger (Ledger.process_outputs less the
+two below), detokenize (IncrementalDetokenizer), outputs (the ledger's pooled TokenOutputs and
+the consumer's copies of them), engine (the rest of LLMEngine.step), consumer (the caller's
+loop outside step(), less the copies), device and device_wait (not host work).
+
+What makes the CPU stand in for an H200's host: --layout bucket (default) lays decode steps out
+as the CUDA graphs do (DecodeGraphs.prepare, one packed upload) and runs that layout eagerly;
+glibc keeps freed memory (keep_freed_memory) and start-up objects are frozen out of the
+collector, as a CUDA engine does. Not separable here: the kernel launches of the forward and
+sampling, host work on CUDA, are inside `device` on CPU. On CUDA, readback includes the wait
+for the device when the host is ahead of it.
+Each value is the median over the timed steps; the spread over whole runs comes from running
+the command several times (code versions cannot be interleaved in one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import random
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+DEVICE_PHASES = ("device", "device_wait")
+PHASES = (
+    "schedule",
+    "prepare",
+    "plan",
+    "launch",
+    "readback",
+    "ledger",
+    "detokenize",
+    "outputs",
+    "engine",
+    "consumer",
+    *DEVICE_PHASES,
+)
+
+
+def keep_freed_memory() -> bool:
+    """glibc: serve every allocation from the heap and never give freed memory back. A step's
+    CPU logits ([B, vocab] float32, 50 MB at B = 256) are otherwise mmapped fresh each step and
+    unmapped when freed, page faults and munmap landing in whatever host phase drops the last
+    reference; a device's caching allocator has no such cost. False where it does not apply."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_max = -1, -4  # mallopt's parameter numbers (malloc.h)
+        return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_host_profile_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "host-profile",
+        help="host microseconds per decode step, by phase (schedule, inputs, ledger, ...)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_args(p)
+    return p
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="dummy:tiny", help="model (default: dummy:tiny)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 256], help="e.g. 1,256")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (random ids)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per pass")
+    p.add_argument(
+        "--consumer",
+        choices=("stream", "engine"),
+        default="stream",
+        help="stream: LLM.stream (one output object per token); engine: LLMEngine.step alone",
+    )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="overlap scheduling (CUDA's default). Off by default here: on CPU it runs the "
+        "forward in a worker thread whose Python contends for the GIL with the host phases",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("bucket", "eager"),
+        default="bucket",
+        help="bucket: decode steps take CUDA's graph layout (one packed upload), run eagerly, "
+        "so prepare is the H200's host work; eager: the CPU engine's own step inputs",
+    )
+    p.add_argument("--stop", action="append", default=[], help="a stop string for every request")
+    p.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU forward)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+
+
+class _NoCapture:
+    """A graph backend that captures nothing: with capture=False the bucket layout runs eagerly."""
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        return fn
+
+
+class PhaseClock:
+    """Exclusive seconds per phase by `timer`, for the thread that built it: a wrapped call's
+    time less that of the wrapped calls inside it. Calls from other threads (the CPU worker)
+    pass through untimed."""
+
+    def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
+        self.timer = timer
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # per open call: seconds of its timed children
+        self._thread = threading.get_ident()
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        had_own = isinstance(owner, type) or name in vars(owner)
+        fn = getattr(owner, name)
+        self._undo.append((owner, name, vars(owner).get(name), had_own))
+        clock, timer = self, self.timer
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != clock._thread:
+                return fn(*args, **kwargs)
+            frame = [0.0]
+            clock._stack.append(frame)
+            t0 = timer()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = timer() - t0
+                clock._stack.pop()
+                clock.totals[phase] += dt - frame[0]
+                if clock._stack:
+                    clock._stack[-1][0] += dt
+
+        setattr(owner, name, timed)
+
+    def unwrap(self) -> None:
+        for owner, name, old, had_own in reversed(self._undo):
+            if had_own and old is not None:
+                setattr(owner, name, old)
+            else:  # an instance's: its class attribute shows through again
+                vars(owner).pop(name, None)
+        self._undo.clear()
+
+
+def _instrument(clock: PhaseClock, llm: Any, fine: bool) -> None:
+    from specserve.engine import launch as launch_mod
+    from specserve.engine.detokenizer import IncrementalDetokenizer
+    from specserve.engine.outputs import TokenOutput
+    from specserve.runner.step_sampler import SampledStep
+
+    eng = llm.engine
+    if fine:
+        clock.wrap(eng, "step", "engine")
+    clock.wrap(eng.runner, "forward", "device")
+    clock.wrap(eng.sampler, "execute", "device")
+    clock.wrap(launch_mod.WorkerStep, "wait", "device_wait")
+    if not fine:
+        return
+    clock.wrap(eng.scheduler, "schedule", "schedule")
+    clock.wrap(eng.runner, "prepare", "prepare")
+    clock.wrap(eng.sampler, "plan", "plan")
+    clock.wrap(eng.launcher, "launch", "launch")
+    clock.wrap(SampledStep, "wait", "readback")
+    clock.wrap(eng.ledger, "process_outputs", "ledger")
+    clock.wrap(eng.ledger, "_token_output", "outputs")
+    for name in ("append", "take_delta", "flush"):
+        clock.wrap(IncrementalDetokenizer, name, "detokenize")
+    clock.wrap(TokenOutput, "clone", "outputs")
+
+
+def _consume(llm: Any, prompts: list[list[int]], params: Any, consumer: str) -> Iterator[int]:
+    """Drive the engine as a caller would; yields after each output handed over."""
+    if consumer == "stream":
+        for _ in llm.stream(prompts, params):
+            yield 1
+        return
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, params)
+    try:
+        while eng.has_unfinished():
+            for out in eng.step():
+                yield len(out.text)  # reads what a caller reads: the token's text
+    finally:
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        while eng._terminal:
+            eng.step()
+        eng.release_outputs()
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "mean": statistics.mean(xs)}
+
+
+def _timed_pass(
+    llm: Any, batch: int, args: argparse.Namespace, clocks: list[PhaseClock], fine: bool
+) -> list[list[dict[str, float]]]:
+    """One stream of `batch` requests: warm up until every request decodes, then time
+    args.steps steps. Per clock, per step: the loop period split by phase (seconds)."""
+    from specserve import SamplingParams
+
+    eng = llm.engine
+    rng = random.Random(args.seed + batch)
+    bound = min(eng.model_config.vocab_size, len(llm.tokenizer) if llm.tokenizer else 1 << 30)
+    prompts = [[rng.randrange(3, bound) for _ in range(args.input_len)] for _ in range(batch)]
+    warm_max = 8 + (batch * args.input_len) // max(1, eng.max_num_batched_tokens)
+    params = SamplingParams(
+        max_tokens=warm_max + args.steps + 8, ignore_eos=True, temperature=0.0, stop=args.stop
+    )
+    marks: list[list[tuple[float, dict[str, float]]]] = [[] for _ in clocks]
+    tokens: list[int] = []
+    state = {"warm": 0, "timing": False}
+    for clock in clocks:
+        _instrument(clock, llm, fine)
+    step = eng.step
+
+    def marked_step() -> Any:
+        if state["timing"]:
+            for clock, m in zip(clocks, marks):
+                m.append((clock.timer(), dict(clock.totals)))
+        out = step()
+        if state["timing"]:
+            tokens.append(sum(o.token_id >= 0 for o in out))
+        return out
+
+    eng.step = marked_step
+    gen = _consume(llm, prompts, params, args.consumer)
+    try:
+        for _ in gen:
+            sched = eng.scheduler
+            if not state["timing"]:
+                decoding = len(sched.running) == batch and not sched.waiting
+                state["warm"] = state["warm"] + 1 if decoding else 0
+                # a few outputs into steady decode (counted per output: batch per step)
+                if state["warm"] > 3 * batch:
+                    state["timing"] = True
+            elif len(tokens) > args.steps:
+                break
+    finally:
+        gen.close()
+        for clock in reversed(clocks):
+            clock.unwrap()  # marked_step too: it replaced the timed step
+    if len(tokens) <= args.steps:
+        raise RuntimeError(f"only {len(tokens) - 1} steady decode steps were timed")
+    out = []
+    for m in marks:
+        steps = []
+        for i in range(args.steps):
+            (t0, a), (t1, b) = m[i], m[i + 1]
+            ph = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in PHASES}
+            ph["consumer"] = t1 - t0 - sum(ph.values())
+            device = sum(ph[k] for k in DEVICE_PHASES)
+            steps.append({"period": t1 - t0, "host": t1 - t0 - device, "tokens": tokens[i], **ph})
+        out.append(steps)
+    return out
+
+
+def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Coarse pass (wall and thread CPU clocks, device phases only), then the fine pass."""
+    wall, cpu = _timed_pass(
+        llm, batch, args, [PhaseClock(), PhaseClock(time.thread_time)], fine=False
+    )
+    (fine,) = _timed_pass(llm, batch, args, [PhaseClock()], fine=True)
+
+    def us(steps: list[dict[str, float]], key: str) -> dict[str, float]:
+        return {k: v * 1e6 for k, v in _percentiles([s[key] for s in steps]).items()}
+
+    return {
+        "batch": batch,
+        "steps": len(wall),
+        "tokens_per_step": statistics.median(s["tokens"] for s in wall),
+        # CPU time of the engine's thread: what a loaded machine's other processes leave alone
+        "host_cpu_us": us(cpu, "host"),
+        "host_us": us(wall, "host"),
+        "device_us": us(wall, "device")["median"] + us(wall, "device_wait")["median"],
+        "period_us": us(wall, "period"),
+        "fine_host_us": us(fine, "host"),
+        "phases_us": {k: us(fine, k)["median"] for k in PHASES if k not in DEVICE_PHASES},
+        "phases_mean_us": {k: us(fine, k)["mean"] for k in PHASES if k not in DEVICE_PHASES},
+    }
+
+
+def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[str, Any]:
+    import torch
+
+    from specserve import LLM
+    from specserve.bench.common import command_line
+    from specserve.bench.report import hardware_info, software_info, timestamp, write_json
+
+    torch.set_num_threads(args.threads)
+    heap_only = keep_freed_memory()
+    top = max(args.batch_sizes)
+    # prefill takes ~top * input_len / budget steps (CPU budget 2048 rows), then the two passes
+    tokens = 8 + (top * args.input_len) // 1024 + args.steps + 16
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=top,
+        max_model_len=args.input_len + tokens + 64,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        overlap=args.overlap,
+        progress=False,
+    )
+    eng = llm.engine
+    if eng.device.type != "cuda":
+        # as a CUDA engine does after start-up: the model and tokenizer out of the collector's
+        # walks, whose full collections would land in whichever host phase triggers them
+        gc.collect()
+        gc.freeze()
+    if args.layout == "bucket" and eng.runner.graphs is None:
+        eng.runner.init_cuda_graphs(
+            top, 1, eng.max_model_len, capture=False, progress=False, backend=_NoCapture()
+        )
+    results = []
+    try:
+        for b in args.batch_sizes:
+            r = profile_batch(llm, b, args)
+            results.append(r)
+            phases = " ".join(f"{k} {v:.0f}" for k, v in r["phases_us"].items())
+            cpu, wall = r["host_cpu_us"], r["host_us"]
+            emit(
+                f"batch {b}: host {cpu['median']:.0f} us/step CPU (p25 {cpu['p25']:.0f}, p75 "
+                f"{cpu['p75']:.0f}), {wall['median']:.0f} wall; device {r['device_us']:.0f} us"
+            )
+            emit(f"  by phase (instrumented, host {r['fine_host_us']['median']:.0f}): {phases}")
+    finally:
+        gc.unfreeze()  # the caller's process (tests) collects as before
+    report = {
+        "benchmark": "host-profile",
+        "command": command_line(),
+        "timestamp": timestamp(),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "hardware": hardware_info(),
+        "software": software_info(),
+        "overlap": eng.overlap,
+        "bucket_layout": eng.runner.graphs is not None,
+        "heap_only_malloc": heap_only,
+        "results": results,
+    }
+    if args.json_path:
+        write_json(report, args.json_path)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_args(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
