@@ -5,13 +5,15 @@
 A Python engine reaches the device's speed only if each step's host work (scheduling, input
 building, the ledger, detokenization, output objects) fits under the device's step time. This
 measures that work on any machine: B requests of random prompt tokens (ignore_eos, greedy, so
-the device part stays small) decode together; after warm-up, two passes of --steps steady
-decode steps each are timed:
+the device part stays small) are prefilled in one step and decode together to the end; every
+step from the third with all of them decoding is timed, the one that finishes them included
+(work deferred to a request's end counts), twice:
 
 - coarse: only the step loop and the device's part are timed. `host_cpu_us`: CPU time of the
   engine's thread per step less the device's part (the forward and sampling, inline; under
   --overlap on CPU they run in a worker thread and the wait for it costs no CPU), robust to the
-  other processes of a shared machine; `host_us`: the same on the wall clock;
+  other processes of a shared machine; `host_us`: the same on the wall clock. `mean` covers
+  every timed step, the finishing one included; `median` is a steady decode step;
 - fine: every phase below wrapped; exclusive time per phase (a phase's nested phases are
   subtracted), so the phases add up to the period. Wrapping costs ~0.5 us per call, paid
   per token by detokenize/outputs: `fine_host_us` - `host_us` is that cost.
@@ -29,8 +31,8 @@ glibc keeps freed memory (keep_freed_memory) and start-up objects are frozen out
 collector, as a CUDA engine does. Not separable here: the kernel launches of the forward and
 sampling, host work on CUDA, are inside `device` on CPU. On CUDA, readback includes the wait
 for the device when the host is ahead of it.
-Each value is the median over the timed steps; the spread over whole runs comes from running
-the command several times (code versions cannot be interleaved in one process).
+The spread over whole runs comes from running the command several times (code versions cannot
+be interleaved in one process).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 DEVICE_PHASES = ("device", "device_wait")
+WARM_STEPS = 3  # steps with every request decoding before the timed ones
 PHASES = (
     "schedule",
     "prepare",
@@ -100,9 +103,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per pass")
     p.add_argument(
         "--consumer",
-        choices=("stream", "engine"),
-        default="stream",
-        help="stream: LLM.stream (one output object per token); engine: LLMEngine.step alone",
+        choices=("generate", "stream", "engine"),
+        default="generate",
+        help="generate: LLM.generate (offline); stream: LLM.stream (an output object per token "
+        "handed out); engine: LLMEngine.step alone, reading each output's text",
     )
     p.add_argument(
         "--overlap",
@@ -204,24 +208,20 @@ def _instrument(clock: PhaseClock, llm: Any, fine: bool) -> None:
     clock.wrap(TokenOutput, "clone", "outputs")
 
 
-def _consume(llm: Any, prompts: list[list[int]], params: Any, consumer: str) -> Iterator[int]:
-    """Drive the engine as a caller would; yields after each output handed over."""
-    if consumer == "stream":
+def _consume(llm: Any, prompts: list[list[int]], params: Any, consumer: str) -> None:
+    """Run the requests to the end as a caller would."""
+    if consumer == "generate":
+        llm.generate(prompts, params, use_tqdm=False)
+    elif consumer == "stream":
         for _ in llm.stream(prompts, params):
-            yield 1
-        return
-    eng = llm.engine
-    for p in prompts:
-        eng.add_request(p, params)
-    try:
+            pass
+    else:
+        eng = llm.engine
+        for p in prompts:
+            eng.add_request(p, params)
         while eng.has_unfinished():
             for out in eng.step():
-                yield len(out.text)  # reads what a caller reads: the token's text
-    finally:
-        for rid in list(eng.requests):
-            eng.abort(rid)
-        while eng._terminal:
-            eng.step()
+                out.text  # noqa: B018 - what a caller reads: the token's text
         eng.release_outputs()
 
 
@@ -234,57 +234,54 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 def _timed_pass(
     llm: Any, batch: int, args: argparse.Namespace, clocks: list[PhaseClock], fine: bool
 ) -> list[list[dict[str, float]]]:
-    """One stream of `batch` requests: warm up until every request decodes, then time
-    args.steps steps. Per clock, per step: the loop period split by phase (seconds)."""
+    """`batch` requests of args.steps + a few tokens, prefilled in one step and run to their
+    end; every step from the third with all of them decoding is timed, through the one that
+    finishes them and the caller's work after it. Per clock, per step: the loop period split
+    by phase (seconds)."""
     from specserve import SamplingParams
 
     eng = llm.engine
     rng = random.Random(args.seed + batch)
     bound = min(eng.model_config.vocab_size, len(llm.tokenizer) if llm.tokenizer else 1 << 30)
     prompts = [[rng.randrange(3, bound) for _ in range(args.input_len)] for _ in range(batch)]
-    warm_max = 8 + (batch * args.input_len) // max(1, eng.max_num_batched_tokens)
     params = SamplingParams(
-        max_tokens=warm_max + args.steps + 8, ignore_eos=True, temperature=0.0, stop=args.stop
+        max_tokens=WARM_STEPS + args.steps, ignore_eos=True, temperature=0.0, stop=args.stop
     )
     marks: list[list[tuple[float, dict[str, float]]]] = [[] for _ in clocks]
     tokens: list[int] = []
-    state = {"warm": 0, "timing": False}
+    warm = [0]
     for clock in clocks:
         _instrument(clock, llm, fine)
-    step = eng.step
+    step, sched = eng.step, eng.scheduler
+
+    def mark() -> None:
+        for clock, m in zip(clocks, marks):
+            m.append((clock.timer(), dict(clock.totals)))
 
     def marked_step() -> Any:
-        if state["timing"]:
-            for clock, m in zip(clocks, marks):
-                m.append((clock.timer(), dict(clock.totals)))
+        if warm[0] < WARM_STEPS and len(sched.running) == batch and not sched.waiting:
+            warm[0] += 1
+        timing = warm[0] == WARM_STEPS
+        if timing:
+            mark()
         out = step()
-        if state["timing"]:
+        if timing:
             tokens.append(sum(o.token_id >= 0 for o in out))
         return out
 
     eng.step = marked_step
-    gen = _consume(llm, prompts, params, args.consumer)
     try:
-        for _ in gen:
-            sched = eng.scheduler
-            if not state["timing"]:
-                decoding = len(sched.running) == batch and not sched.waiting
-                state["warm"] = state["warm"] + 1 if decoding else 0
-                # a few outputs into steady decode (counted per output: batch per step)
-                if state["warm"] > 3 * batch:
-                    state["timing"] = True
-            elif len(tokens) > args.steps:
-                break
+        _consume(llm, prompts, params, args.consumer)
+        mark()  # the caller's work after the last step
     finally:
-        gen.close()
         for clock in reversed(clocks):
             clock.unwrap()  # marked_step too: it replaced the timed step
-    if len(tokens) <= args.steps:
-        raise RuntimeError(f"only {len(tokens) - 1} steady decode steps were timed")
+    if not tokens:
+        raise RuntimeError("no steady decode step was timed")
     out = []
     for m in marks:
         steps = []
-        for i in range(args.steps):
+        for i in range(len(tokens)):
             (t0, a), (t1, b) = m[i], m[i + 1]
             ph = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in PHASES}
             ph["consumer"] = t1 - t0 - sum(ph.values())
@@ -329,14 +326,14 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
     torch.set_num_threads(args.threads)
     heap_only = keep_freed_memory()
     top = max(args.batch_sizes)
-    # prefill takes ~top * input_len / budget steps (CPU budget 2048 rows), then the two passes
-    tokens = 8 + (top * args.input_len) // 1024 + args.steps + 16
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=top,
-        max_model_len=args.input_len + tokens + 64,
+        max_model_len=args.input_len + WARM_STEPS + args.steps + 16,
+        # every prompt in one step: the requests decode, and finish, together
+        max_num_batched_tokens=max(2048, top * args.input_len),
         enforce_eager=True,
         enable_prefix_caching=False,
         overlap=args.overlap,
@@ -357,13 +354,14 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
         for b in args.batch_sizes:
             r = profile_batch(llm, b, args)
             results.append(r)
-            phases = " ".join(f"{k} {v:.0f}" for k, v in r["phases_us"].items())
+            phases = " ".join(f"{k} {v:.0f}" for k, v in r["phases_mean_us"].items())
             cpu, wall = r["host_cpu_us"], r["host_us"]
             emit(
-                f"batch {b}: host {cpu['median']:.0f} us/step CPU (p25 {cpu['p25']:.0f}, p75 "
-                f"{cpu['p75']:.0f}), {wall['median']:.0f} wall; device {r['device_us']:.0f} us"
+                f"batch {b}: host {cpu['mean']:.0f} us/step CPU (median {cpu['median']:.0f}, "
+                f"p25 {cpu['p25']:.0f}, p75 {cpu['p75']:.0f}), wall {wall['mean']:.0f} "
+                f"(median {wall['median']:.0f}); device {r['device_us']:.0f} us"
             )
-            emit(f"  by phase (instrumented, host {r['fine_host_us']['median']:.0f}): {phases}")
+            emit(f"  mean by phase (instrumented: {r['fine_host_us']['mean']:.0f}): {phases}")
     finally:
         gc.unfreeze()  # the caller's process (tests) collects as before
     report = {

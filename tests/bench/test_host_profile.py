@@ -74,7 +74,7 @@ def test_phase_clock_ignores_other_threads() -> None:
 
 @pytest.mark.parametrize(
     ("consumer", "layout", "overlap"),
-    [("stream", "bucket", False), ("engine", "eager", True)],
+    [("generate", "bucket", False), ("stream", "eager", True), ("engine", "bucket", False)],
 )
 def test_end_to_end(tmp_path, consumer: str, layout: str, overlap: bool) -> None:
     path = tmp_path / "host.json"
@@ -87,8 +87,10 @@ def test_end_to_end(tmp_path, consumer: str, layout: str, overlap: bool) -> None
     assert json.loads(path.read_text())["results"] == json.loads(json.dumps(report["results"]))
     assert report["overlap"] is overlap and report["bucket_layout"] is (layout == "bucket")
     for r, batch in zip(report["results"], (1, 3)):
-        assert r["batch"] == batch and r["steps"] == 3
-        assert r["tokens_per_step"] == batch  # steady decode: one token per request per step
+        # max_tokens = warm-up + 3: the third timed step finishes every request (overlap: the
+        # step after it, the ledger one step late)
+        assert r["batch"] == batch and r["steps"] == 3 + overlap
+        assert r["tokens_per_step"] == batch  # one token per request per step
         # the instrumented methods are the ones the engine calls
         for phase in ("schedule", "prepare", "plan", "ledger", "detokenize", "outputs"):
             assert r["phases_us"][phase] > 0, phase
