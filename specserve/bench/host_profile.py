@@ -7,16 +7,18 @@ building, the ledger, detokenization, output objects) fits under the device's st
 measures that work on any machine: B requests of random prompt tokens (ignore_eos, greedy, so
 the device part stays small) are prefilled in one step and decode together to the end; every
 step from the third with all of them decoding is timed, the one that finishes them included
-(work deferred to a request's end counts), twice:
+(work deferred to a request's end counts), in three passes:
 
 - coarse: only the step loop and the device's part are timed. `host_cpu_us`: CPU time of the
   engine's thread per step less the device's part (the forward and sampling, inline; under
   --overlap on CPU they run in a worker thread and the wait for it costs no CPU), robust to the
   other processes of a shared machine; `host_us`: the same on the wall clock. `mean` covers
   every timed step, the finishing one included; `median` is a steady decode step;
-- fine: every phase below wrapped; exclusive time per phase (a phase's nested phases are
-  subtracted), so the phases add up to the period. Wrapping costs ~0.5 us per call, paid
-  per token by detokenize/outputs: `fine_host_us` - `host_us` is that cost.
+- phases: the per-step phases below wrapped too; exclusive time per phase (a phase's nested
+  phases are subtracted), so the phases add up to the period. The ledger includes its
+  per-token parts;
+- tokens: those wrapped too (detokenize, outputs), splitting the ledger; each wrapped call
+  costs ~0.5 us and they run per token, so this split is inflated and only read as shares.
 
 Phases: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: the step's inputs), plan
 (StepSampler.plan: the sampler's per-row inputs), launch (the rest of Launcher.launch),
@@ -30,7 +32,9 @@ as the CUDA graphs do (DecodeGraphs.prepare, one packed upload) and runs that la
 glibc keeps freed memory (keep_freed_memory) and start-up objects are frozen out of the
 collector, as a CUDA engine does. Not separable here: the kernel launches of the forward and
 sampling, host work on CUDA, are inside `device` on CPU. On CUDA, readback includes the wait
-for the device when the host is ahead of it.
+for the device when the host is ahead of it. The CPU forward between two steps evicts the
+host code's caches (an H200's host keeps them warmer): a phase costs here up to several times
+what it costs in a hot loop, most at batch 1.
 The spread over whole runs comes from running the command several times (code versions cannot
 be interleaved in one process).
 """
@@ -49,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 DEVICE_PHASES = ("device", "device_wait")
+TOKEN_PHASES = ("detokenize", "outputs")
 WARM_STEPS = 3  # steps with every request decoding before the timed ones
 PHASES = (
     "schedule",
@@ -182,19 +187,21 @@ class PhaseClock:
         self._undo.clear()
 
 
-def _instrument(clock: PhaseClock, llm: Any, fine: bool) -> None:
+def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
+    """Level 0: the device's part only; 1: every per-step phase too; 2: and the per-token
+    ones (detokenize, outputs), each wrapped call costing ~0.5 us."""
     from specserve.engine import launch as launch_mod
     from specserve.engine.detokenizer import IncrementalDetokenizer
     from specserve.engine.outputs import TokenOutput
     from specserve.runner.step_sampler import SampledStep
 
     eng = llm.engine
-    if fine:
+    if level:
         clock.wrap(eng, "step", "engine")
     clock.wrap(eng.runner, "forward", "device")
     clock.wrap(eng.sampler, "execute", "device")
     clock.wrap(launch_mod.WorkerStep, "wait", "device_wait")
-    if not fine:
+    if not level:
         return
     clock.wrap(eng.scheduler, "schedule", "schedule")
     clock.wrap(eng.runner, "prepare", "prepare")
@@ -202,6 +209,8 @@ def _instrument(clock: PhaseClock, llm: Any, fine: bool) -> None:
     clock.wrap(eng.launcher, "launch", "launch")
     clock.wrap(SampledStep, "wait", "readback")
     clock.wrap(eng.ledger, "process_outputs", "ledger")
+    if level < 2:
+        return
     clock.wrap(eng.ledger, "_token_output", "outputs")
     for name in ("append", "take_delta", "flush"):
         clock.wrap(IncrementalDetokenizer, name, "detokenize")
@@ -232,7 +241,7 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def _timed_pass(
-    llm: Any, batch: int, args: argparse.Namespace, clocks: list[PhaseClock], fine: bool
+    llm: Any, batch: int, args: argparse.Namespace, clocks: list[PhaseClock], level: int
 ) -> list[list[dict[str, float]]]:
     """`batch` requests of args.steps + a few tokens, prefilled in one step and run to their
     end; every step from the third with all of them decoding is timed, through the one that
@@ -251,7 +260,7 @@ def _timed_pass(
     tokens: list[int] = []
     warm = [0]
     for clock in clocks:
-        _instrument(clock, llm, fine)
+        _instrument(clock, llm, level)
     step, sched = eng.step, eng.scheduler
 
     def mark() -> None:
@@ -292,15 +301,16 @@ def _timed_pass(
 
 
 def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Coarse pass (wall and thread CPU clocks, device phases only), then the fine pass."""
-    wall, cpu = _timed_pass(
-        llm, batch, args, [PhaseClock(), PhaseClock(time.thread_time)], fine=False
-    )
-    (fine,) = _timed_pass(llm, batch, args, [PhaseClock()], fine=True)
+    """Three passes: coarse (wall and thread CPU clocks, the device's part only), phases (per
+    step), tokens (the ledger's per-token parts too)."""
+    wall, cpu = _timed_pass(llm, batch, args, [PhaseClock(), PhaseClock(time.thread_time)], 0)
+    (phases,) = _timed_pass(llm, batch, args, [PhaseClock()], 1)
+    (tokens,) = _timed_pass(llm, batch, args, [PhaseClock()], 2)
 
     def us(steps: list[dict[str, float]], key: str) -> dict[str, float]:
         return {k: v * 1e6 for k, v in _percentiles([s[key] for s in steps]).items()}
 
+    host_phases = [k for k in PHASES if k not in DEVICE_PHASES and k not in TOKEN_PHASES]
     return {
         "batch": batch,
         "steps": len(wall),
@@ -310,9 +320,11 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, A
         "host_us": us(wall, "host"),
         "device_us": us(wall, "device")["median"] + us(wall, "device_wait")["median"],
         "period_us": us(wall, "period"),
-        "fine_host_us": us(fine, "host"),
-        "phases_us": {k: us(fine, k)["median"] for k in PHASES if k not in DEVICE_PHASES},
-        "phases_mean_us": {k: us(fine, k)["mean"] for k in PHASES if k not in DEVICE_PHASES},
+        "phases_host_us": us(phases, "host"),
+        "phases_us": {k: us(phases, k)["median"] for k in host_phases},
+        "phases_mean_us": {k: us(phases, k)["mean"] for k in host_phases},
+        # the ledger split by the per-token pass (instrumented: each part inflated by its calls)
+        "ledger_split_mean_us": {k: us(tokens, k)["mean"] for k in ("ledger", *TOKEN_PHASES)},
     }
 
 
@@ -361,7 +373,9 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
                 f"p25 {cpu['p25']:.0f}, p75 {cpu['p75']:.0f}), wall {wall['mean']:.0f} "
                 f"(median {wall['median']:.0f}); device {r['device_us']:.0f} us"
             )
-            emit(f"  mean by phase (instrumented: {r['fine_host_us']['mean']:.0f}): {phases}")
+            emit(f"  mean by phase (instrumented: {r['phases_host_us']['mean']:.0f}): {phases}")
+            split = " ".join(f"{k} {v:.0f}" for k, v in r["ledger_split_mean_us"].items())
+            emit(f"  ledger, per-token pass: {split}")
     finally:
         gc.unfreeze()  # the caller's process (tests) collects as before
     report = {
