@@ -281,12 +281,14 @@ class DecodeGraphs:
         ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
         # every table at once (a numpy assignment per request cost ~1 us each at 256)
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=nreq)
-        used = np.arange(w) < lens[:, None]  # [B, w]
-        bt[~used] = 0
-        bt[used] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum())
-        )
+        lens = list(map(len, tables))
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
+        if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
+            bt[:] = flat.reshape(nreq, w)
+        else:
+            used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
+            bt[~used] = 0
+            bt[used] = flat
         cum = np.zeros(nreq + 1, dtype=np.int64)
         np.cumsum(qlens, out=cum[1:])
         req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row

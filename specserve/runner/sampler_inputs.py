@@ -29,7 +29,8 @@ from specserve.ops.transfer import h2d
 from specserve.sample.layout import RowLayout
 
 # one request's sampling row: temperature, top_p, min_p (float32), top_k (int32), seed (int64),
-# flags (int32: what SamplingTensors' any_*/all_* flags are made of)
+# flags (int32: what SamplingTensors' any_*/all_* flags are made of, and what else the request
+# needs of the sampler's slower paths: a step none of whose requests needs one skips its scan)
 _ROW = struct.Struct("<fffiqi4x")
 _ROW_DTYPE = np.dtype(
     {
@@ -41,21 +42,34 @@ _ROW_DTYPE = np.dtype(
 )
 assert _ROW.size == _ROW_DTYPE.itemsize
 _GREEDY, _TOP_K, _TOP_P, _MIN_P = 1, 2, 4, 8
+PENALTIES, PROCESSING, MIN_TOKENS, GOLDEN, LOGPROBS = 16, 32, 64, 128, 256
+
+
+def _needs(p) -> int:
+    return (
+        PENALTIES * p.has_penalties
+        | PROCESSING * p.has_logits_processing
+        | MIN_TOKENS * (p.min_tokens > 0)
+        | GOLDEN * (p.golden_token_ids is not None)
+        | LOGPROBS * (p.logprobs is not None)
+    )
 
 
 def sampling_row(seq: Sequence) -> bytes:
-    """The request's packed sampling row, made at its first step. Greedy requests drop their
-    filters, so SamplingTensors' any_* flags only wake up for requests that sample."""
+    """The request's packed sampling row, made at its first step (its params are fixed once
+    it is added). Greedy requests drop their filters, so SamplingTensors' any_* flags only
+    wake up for requests that sample."""
     row = seq.sampling_row
     if row is None:
         p = seq.params
         seed = to_int64_bits(seq.seed)
         try:
             if p.greedy:
-                row = _ROW.pack(0.0, 1.0, 0.0, 0, seed, _GREEDY)
+                row = _ROW.pack(0.0, 1.0, 0.0, 0, seed, _GREEDY | _needs(p))
             else:
                 t, top_p, min_p, k = float(p.temperature), float(p.top_p), float(p.min_p), p.top_k
                 flags = _TOP_K * (k > 0) | _TOP_P * (top_p < 1.0) | _MIN_P * (min_p > 0.0)
+                flags |= _needs(p)
                 row = _ROW.pack(t, top_p, min_p, int(k), seed, flags)
         except struct.error as e:  # what torch's int32 table raised before: an overflow
             raise OverflowError(
@@ -116,13 +130,21 @@ class PackedInputs:
         )
 
 
+class SamplerInputs(NamedTuple):
+    layout: RowLayout
+    t: SamplingTensors  # per row
+    draft_ids: torch.Tensor  # [total_q] int64, 0 on rows that check no draft
+    slots: torch.Tensor  # [R] int64
+    seqlens_q: list[int]
+    needs: int  # PENALTIES | PROCESSING | ...: what some request of the step needs
+
+
 def build_inputs(
     seqs: Seq[Sequence], drafts: Seq[list[int]], device: torch.device
-) -> tuple[RowLayout, SamplingTensors, torch.Tensor, torch.Tensor, list[int]]:
-    """(layout, per-row sampling tensors, draft_ids [total_q] int64 (0 on rows that check no
-    draft), slots [R] int64, seqlens_q) of a step's sampling requests, in one upload. A row's
-    counter is the index of the output token it would produce: the request's output tokens,
-    pending ones included (overlap), plus its local step."""
+) -> SamplerInputs:
+    """The per-row inputs of a step's sampling requests, in one upload. A row's counter is the
+    index of the output token it would produce: the request's output tokens, pending ones
+    included (overlap), plus its local step."""
     r = len(seqs)
     seqlens_q = [1 + len(d) for d in drafts]
     t = sum(seqlens_q)
@@ -187,4 +209,4 @@ def build_inputs(
     layout = RowLayout(
         d.seqlens_q, d.ftp, d.row_to_req, d.local_step, d.is_verify, t, max(seqlens_q) - 1
     )
-    return layout, st, d.draft_ids, d.slots, seqlens_q
+    return SamplerInputs(layout, st, d.draft_ids, d.slots, seqlens_q, any_flags & ~(PENALTIES - 1))

@@ -21,7 +21,14 @@ from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
 from specserve.runner.device_feed import DraftFeed, advance_slots, drafted_rows
 from specserve.runner.logits_plan import plan_logits_processing
-from specserve.runner.sampler_inputs import build_inputs
+from specserve.runner.sampler_inputs import (
+    GOLDEN,
+    LOGPROBS,
+    MIN_TOKENS,
+    PENALTIES,
+    PROCESSING,
+    build_inputs,
+)
 from specserve.sample.layout import RowLayout
 from specserve.sample.verify import VerifyResult, verify
 
@@ -171,29 +178,39 @@ class StepSampler:
         accepted, and the device takes off the ones its step rejected (DraftFeed). anchor_pos:
         the KV position of each request's anchor row as laid out (device drafters only).
         deferred: leave out the host-token half (complete() adds it after the ledger)."""
-        layout, t, draft_ids, slots, seqlens_q = build_inputs(seqs, drafts, self.device)
-        processing, penalties = (None, None) if deferred else self._host_tokens(seqs, drafts)
-        want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        inp = build_inputs(seqs, drafts, self.device)
+        needs = inp.needs  # a scan below runs only when some request needs it
+        processing = penalties = None
+        if not deferred and needs & (PENALTIES | PROCESSING):
+            processing, penalties = self._host_tokens(seqs, drafts)
+        want = (
+            [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+            if needs & LOGPROBS
+            else None
+        )
         feed = None
         shifted = shifts is not None and any(shifts)
         if device_drafts:
             feed = self._feed(seqs, drafts, shifts or [False] * len(seqs), anchor_pos)
-        golden = shifted and any(s.params.golden_token_ids is not None for s in seqs)
-        mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
+        golden = shifted and bool(needs & GOLDEN)
+        mask = limit = None
+        if needs & MIN_TOKENS:
+            mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
+        forced = None if golden or not needs & GOLDEN else self._forced(seqs, drafts)
         return SamplerPlan(
-            layout,
-            t,
-            draft_ids,
+            inp.layout,
+            inp.t,
+            inp.draft_ids,
             penalties,
             mask,
-            None if golden else self._forced(seqs, drafts),
-            slots,
+            forced,
+            inp.slots,
             max(want) if want else None,
             processing,
             feed,
             limit,
             golden,
-            seqlens_q,
+            inp.seqlens_q,
         )
 
     def complete(

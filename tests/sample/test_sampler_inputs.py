@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from specserve.engine.sequence import Sequence
 from specserve.ops.sampling import SamplingTensors
-from specserve.runner.sampler_inputs import build_inputs
+from specserve.runner.sampler_inputs import (
+    GOLDEN,
+    LOGPROBS,
+    MIN_TOKENS,
+    PENALTIES,
+    PROCESSING,
+    build_inputs,
+)
 from specserve.sample.layout import build_layout
 from specserve.sampling_params import SamplingParams
 
@@ -19,6 +26,11 @@ _params = st.builds(
     top_k=st.sampled_from([0, 1, 5, 50]),
     top_p=st.sampled_from([1.0, 0.9, 0.3]),
     min_p=st.sampled_from([0.0, 0.05]),
+    min_tokens=st.sampled_from([0, 3]),
+    presence_penalty=st.sampled_from([0.0, 0.5]),
+    logprobs=st.sampled_from([None, 2]),
+    logit_bias=st.sampled_from([None, {5: 1.0}]),
+    golden_token_ids=st.sampled_from([None, [4, 5, 6]]),
 )
 _request = st.tuples(
     _params,
@@ -48,7 +60,7 @@ def test_packed_inputs_equal_the_per_tensor_build(reqs) -> None:
         draft_rows += [*d, 0]
     cpu = torch.device("cpu")
     for _ in range(2):  # the second step reads the rows packed by the first
-        layout, t, draft_ids, slots, seqlens_q = build_inputs(seqs, drafts, cpu)
+        layout, t, draft_ids, slots, seqlens_q, needs = build_inputs(seqs, drafts, cpu)
         ref_t = SamplingTensors.build(row_params, seeds, counters, cpu)
         ref_layout = build_layout(torch.tensor(seqlens_q), sum(seqlens_q), max(seqlens_q) - 1)
         assert seqlens_q == [1 + len(d) for d in drafts]
@@ -64,3 +76,13 @@ def test_packed_inputs_equal_the_per_tensor_build(reqs) -> None:
         assert (layout.total_q, layout.max_drafts) == (ref_layout.total_q, ref_layout.max_drafts)
         assert torch.equal(draft_ids, torch.tensor(draft_rows, dtype=torch.int64))
         assert torch.equal(slots, torch.tensor([s.slot for s in seqs], dtype=torch.int64))
+        # the slow paths a step's requests need, so the sampler scans only for those
+        ps = [s.params for s in seqs]
+        expected = {
+            PENALTIES: any(p.has_penalties for p in ps),
+            PROCESSING: any(p.has_logits_processing for p in ps),
+            MIN_TOKENS: any(p.min_tokens > 0 for p in ps),
+            GOLDEN: any(p.golden_token_ids is not None for p in ps),
+            LOGPROBS: any(p.logprobs is not None for p in ps),
+        }
+        assert {flag: bool(needs & flag) for flag in expected} == expected
