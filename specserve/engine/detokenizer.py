@@ -197,10 +197,11 @@ class IncrementalDetokenizer:
     of the first output token, which `decode(output_ids)` strips.
 
     `defer=True` (a caller that reads the text only at the end, e.g. LLM.generate) with no
-    stop strings: nothing is decoded per token; `take_delta()` gives "" and `flush()` the
-    whole text, `tokenizer.decode(output_ids)` in one call (by the invariant above, what the
-    deltas would have added up to). With stop strings the text is needed after each token to
-    find them, so `defer` has no effect.
+    stop strings makes it `deferred`: nothing is decoded per token; `take_delta()` gives ""
+    and `flush()` the whole text, `tokenizer.decode(output_ids)` in one call (by the invariant
+    above, what the deltas would have added up to). A deferred detokenizer need not be fed
+    token by token: `flush(ids)` decodes the output ids given. With stop strings the text is
+    needed after each token to find them, so `defer` has no effect.
     """
 
     def __init__(
@@ -216,8 +217,9 @@ class IncrementalDetokenizer:
         self._decoder = _WindowDecoder(tokenizer, skip_special_tokens)
         # an empty stop string would match everywhere: treat it as absent
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
-        # defer: the output ids, decoded at flush() (None: decoded token by token)
-        self._deferred: list[int] | None = [] if defer and not self._stops else None
+        # decodes at flush() only (class docstring); _deferred: the ids appended until then
+        self.deferred = defer and not self._stops
+        self._deferred: list[int] | None = [] if self.deferred else None
         # a future match must end in future text, so it can start at most this many chars
         # back in the current text: that is both the search tail and the stream holdback
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
@@ -289,14 +291,15 @@ class IncrementalDetokenizer:
         self._streamed = end
         return out
 
-    def flush(self) -> str:
+    def flush(self, ids: list[int] | None = None) -> str:
         """Finishes the request (any reason) and returns all not-yet-streamed text.
 
         Pending text is decoded now; if it completes a stop string, the text is cut there
-        and `stop_match` is set, just as `append` would have done.
+        and `stop_match` is set, just as `append` would have done. Deferred: the text of `ids`,
+        the whole output, when given (else of the ids appended).
         """
         if not self._finished and self._deferred is not None:
-            self._append_text(self._decoder.decode_all(self._deferred))
+            self._append_text(self._decoder.decode_all(self._deferred if ids is None else ids))
             self._deferred = None
             self._finished = True
         if not self._finished:

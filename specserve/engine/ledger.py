@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.outputs import (
     LOGPROB_FLOOR,
     Logprob,
@@ -115,9 +116,9 @@ class Ledger:
                 self._register_blocks(seq)
                 continue
             assert res is not None
-            num_tokens = seq.num_tokens
+            num_tokens, num_outputs = len(seq.token_ids), len(outputs)
             try:
-                outputs += self._push(seq, qlen, nd, r, row, res, step, now)
+                self._push(outputs, seq, qlen, nd, r, row, res, step, now)
             except OutputPoolExhausted:
                 raise  # the engine's, not this request's
             except Exception as e:
@@ -125,6 +126,7 @@ class Ledger:
                 # end it alone; its outputs of this step are dropped (the pool takes them back
                 # with the step), and so are the tokens it appended; the others' are untouched
                 del seq.token_ids[num_tokens:]
+                del outputs[num_outputs:]
                 outputs.append(self.fail_request(seq, e, step))
             r += 1
             row += seqlen_q
@@ -132,6 +134,7 @@ class Ledger:
 
     def _push(
         self,
+        outputs: list[TokenOutput],
         seq: Sequence,
         qlen: int,
         nd: int,
@@ -140,10 +143,11 @@ class Ledger:
         res: HostStepResult,
         step: int,
         now: float,
-    ) -> list[TokenOutput]:
+    ) -> None:
         """Request r of the step: append its accepted prefix and sampled token with a stop check
-        after each, commit its KV ledger, finish it on a stop; its outputs, in order."""
-        outputs: list[TokenOutput] = []
+        after each, commit its KV ledger, finish it on a stop; its outputs, in order, appended
+        to `outputs`."""
+        first = len(outputs)
         seq.num_pending = max(0, seq.num_pending - 1)
         seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
         accepted = res.num_accepted[r]
@@ -155,6 +159,8 @@ class Ledger:
         # the stop rules, hoisted out of the per-token loop
         p = seq.params
         token_ids, detok, grammar = seq.token_ids, seq.detokenizer, seq.grammar
+        if detok is not None and detok.deferred:
+            detok = None  # decodes the whole output when it finishes (_finish_output)
         n_out = len(token_ids) - len(seq.prompt_token_ids)  # output tokens so far
         eos = () if p.ignore_eos else self.eos_ids
         stop_ids, min_tokens = p.stop_token_ids, p.min_tokens
@@ -183,10 +189,10 @@ class Ledger:
             if grammar is not None and grammar.advance(tok):
                 if stop is None or stop[0] is FinishReason.LENGTH:
                     stop = FinishReason.STOP, None
-            outputs.append(self._token_output(seq, tok, n_out, row + j, res, step))
+            outputs.append(self._token_output(seq, tok, n_out, row + j, res, step, detok))
             if stop is not None:
                 break
-        pushed = len(outputs)
+        pushed = len(outputs) - first
         # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
         seq.commit_processed_tokens(qlen, qlen - nd + accepted)
         if nd > accepted:
@@ -214,15 +220,25 @@ class Ledger:
             self._finish_output(seq, anchor)
         else:
             self._register_blocks(seq)
-        return outputs
 
     def _register_blocks(self, seq: Sequence) -> None:
-        self.sched.bm.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        bm, table = self.sched.bm, seq.block_table
+        # a block filled since the last call (once every block_size tokens) has work to do
+        if len(table.hashes) < seq.num_computed_tokens // bm.block_size:
+            bm.register_full_blocks(table, seq.token_ids, seq.num_computed_tokens)
 
     def _token_output(
-        self, seq: Sequence, tok: int, n_out: int, row: int, res: HostStepResult, step: int
+        self,
+        seq: Sequence,
+        tok: int,
+        n_out: int,
+        row: int,
+        res: HostStepResult,
+        step: int,
+        detok: IncrementalDetokenizer | None,
     ) -> TokenOutput:
-        """The pooled output of seq's n_out-th output token, tok (verify-layout row `row`)."""
+        """The pooled output of seq's n_out-th output token, tok (verify-layout row `row`);
+        its text from `detok` (None: no text per token)."""
         out = self.pool.acquire(step)
         out.request_id = seq.request_id
         out.token_id = tok
@@ -243,8 +259,8 @@ class Ledger:
             # the prompt's scores ride on the first output (a one-token prompt has none to score)
             state = seq.prompt_logprobs_state
             out.prompt_logprobs = state.result(self._decode) if state is not None else [None]
-        if seq.detokenizer is not None:
-            out.text = seq.detokenizer.take_delta()
+        if detok is not None:
+            out.text = detok.take_delta()
         return out
 
     def _decode(self, tok: int) -> str | None:
@@ -252,8 +268,9 @@ class Ledger:
 
     def _finish_output(self, seq: Sequence, out: TokenOutput) -> None:
         # a failed request's held-back text is not released: its detokenizer may be what failed
-        if seq.detokenizer is not None and seq.finish_reason is not FinishReason.ERROR:
-            out.text += seq.detokenizer.flush()
+        detok = seq.detokenizer
+        if detok is not None and seq.finish_reason is not FinishReason.ERROR:
+            out.text += detok.flush(seq.output_token_ids if detok.deferred else None)
         out.finished = True
         out.finish_reason = seq.finish_reason.value
         out.stop_reason = seq.stop_reason

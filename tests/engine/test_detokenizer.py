@@ -188,7 +188,10 @@ def test_deferred_text_is_the_streamed_text(tokenizer, seed: int, skip: bool) ->
     deltas, match, _ = _stream(det, ids)
     assert match is None and not any(deltas[:-1])
     assert deltas[-1] == "".join(streamed) == det.text
-    assert det.num_tokens == len(ids) and det.finished
+    assert det.num_tokens == len(ids) and det.finished and det.deferred
+    # fed nothing, given the whole output at the end (the ledger's way)
+    det = IncrementalDetokenizer(tokenizer, [], [], skip_special_tokens=skip, defer=True)
+    assert det.flush(ids) == "".join(streamed)
 
 
 def test_defer_keeps_stop_strings_exact(tokenizer) -> None:
@@ -199,6 +202,7 @@ def test_defer_keeps_stop_strings_exact(tokenizer) -> None:
         det = IncrementalDetokenizer(tokenizer, [], ["fox"], defer=defer)
         runs.append((_stream(det, ids), det.text))
     assert runs[0] == runs[1]
+    assert not IncrementalDetokenizer(tokenizer, [], ["fox"], defer=True).deferred
     (deltas, match, _), text = runs[1]
     assert match is not None and match.stop_str == "fox" and "fox" not in text
     assert any(deltas[:-1])
