@@ -72,6 +72,10 @@ class _TokenizerInfo:
     decode: Callable[[list[int], bool], str]
     special_ids: frozenset[int]  # ids that skip_special_tokens drops
     id_to_token: Callable[[int], str | None] | None  # set only for byte-fallback decoders
+    # a byte-level decoder alone (GPT-2 style BPE): the text of ids is the UTF-8 decode of
+    # their bytes joined, so whole characters decode the same alone as after anything ending
+    # on a character boundary
+    byte_level: bool = False
     # decode([id]) by id, for the window decoders of every request: a window of one id (the
     # context after each emission, usually) decodes the same whatever came before it
     single: dict[int, str] = field(default_factory=dict)
@@ -94,6 +98,7 @@ def _tokenizer_info(tokenizer: PreTrainedTokenizerBase) -> _TokenizerInfo:
             ),
             # the Python bindings expose no decoder tree, but its repr names every step
             id_to_token=backend.id_to_token if "ByteFallback" in repr(backend.decoder) else None,
+            byte_level=repr(backend.decoder).startswith("ByteLevel("),
         )
     else:  # slow tokenizer: correct, just not as cheap
         info = _TokenizerInfo(
@@ -120,6 +125,7 @@ class _WindowDecoder:
         # one-id windows decode skipping specials or not alike: those ids never enter a window
         # that skips them, and the cache holds only ids a window held
         self._single = info.single
+        self._byte_level = info.byte_level
         self._skip = skip_special_tokens
         # filtering skipped specials up front keeps them out of the window, so they never
         # crowd out the context a boundary rule needs
@@ -139,6 +145,14 @@ class _WindowDecoder:
             return ""
         self._ids.append(token_id)
         pending = len(self._ids) - self._read
+        if pending == 1 and self._byte_level and not self._context_text.endswith(REPLACEMENT_CHAR):
+            # the context ends on a character boundary: a token of whole characters adds its
+            # own text, which the window decode below would find too (and emit the same way)
+            text = self._single_text(token_id)
+            if text and REPLACEMENT_CHAR not in text:
+                del self._ids[:-1]
+                self._read, self._context_text = 1, text
+                return text
         if (
             self._id_to_token is not None
             and pending < MAX_BYTE_RUN_HOLD
@@ -168,13 +182,16 @@ class _WindowDecoder:
         ids = self._ids
         self._read = len(ids)
         if len(ids) == 1:
-            text = self._single.get(ids[0])
-            if text is None:
-                text = self._single[ids[0]] = self._decode_fn(ids, self._skip)
-            self._context_text = text
+            self._context_text = self._single_text(ids[0])
         else:
             self._context_text = self._decode_fn(ids, self._skip)
         return delta
+
+    def _single_text(self, token_id: int) -> str:
+        text = self._single.get(token_id)
+        if text is None:
+            text = self._single[token_id] = self._decode_fn([token_id], self._skip)
+        return text
 
     def decode_all(self, ids: list[int]) -> str:
         """The text of a whole output at once (what flush() after pushing each id gives)."""

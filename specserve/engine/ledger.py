@@ -148,8 +148,10 @@ class Ledger:
         after each, commit its KV ledger, finish it on a stop; its outputs, in order, appended
         to `outputs`."""
         first = len(outputs)
-        seq.num_pending = max(0, seq.num_pending - 1)
-        seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
+        if seq.num_pending:
+            seq.num_pending -= 1
+        if seq.num_pending_drafts:
+            seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
         accepted = res.num_accepted[r]
         if accepted:
             tokens = res.verified_token_ids[row : row + accepted]
@@ -194,8 +196,10 @@ class Ledger:
                 break
         pushed = len(outputs) - first
         # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
-        seq.commit_processed_tokens(qlen, qlen - nd + accepted)
+        anchor = outputs[-1]
+        anchor.is_anchor = True
         if nd > accepted:
+            seq.commit_processed_tokens(qlen, qlen - nd + accepted)
             self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
         self.num_generated_tokens += pushed
         if nd or res.num_real_drafts is not None:
@@ -205,13 +209,10 @@ class Ledger:
             seq.spec.num_draft_tokens += drafted
             seq.spec.num_accepted_tokens += emitted_drafts
             self.spec.record(drafted, emitted_drafts)
-        else:  # no drafts: no speculation counters move
-            drafted = emitted_drafts = 0
+            anchor.draft_tok, anchor.accept_tok = drafted, emitted_drafts
+        # (no drafts: no speculation counter moves, and the anchor's stay 0)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        anchor = outputs[-1]
-        anchor.is_anchor = True
-        anchor.draft_tok, anchor.accept_tok = drafted, emitted_drafts
         if res.draft_confidences is not None:
             anchor.draft_confidences = res.draft_confidences[r]
         if stop is not None:

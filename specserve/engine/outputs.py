@@ -65,12 +65,6 @@ class TokenOutput:
             self.draft_confidences,
         )
 
-    def _reset(self) -> None:
-        self.token_id, self.text, self.logprob, self.top_logprobs = -1, "", None, None
-        self.prompt_logprobs = None
-        self.finished, self.finish_reason, self.stop_reason = False, None, None
-        self.is_anchor, self.draft_tok, self.accept_tok, self.draft_confidences = False, 0, 0, None
-
 
 def _pool_refs() -> int:
     """sys.getrefcount of a released output only the pool holds, in release_through's loop (its
@@ -113,7 +107,12 @@ class OutputPool:
                 f"held per step {held}; outputs must be released two steps after they are made"
             )
         out = self._free.pop()
-        out._reset()
+        # back to the field defaults but request_id, index and num_output_tokens (the ledger
+        # sets those), inline: once per token
+        out.token_id, out.text, out.logprob, out.top_logprobs = -1, "", None, None
+        out.prompt_logprobs = None
+        out.finished, out.finish_reason, out.stop_reason = False, None, None
+        out.is_anchor, out.draft_tok, out.accept_tok, out.draft_confidences = False, 0, 0, None
         out.step = step
         if step != self._step:
             self._step, self._held = step, self._by_step.setdefault(step, [])
@@ -205,10 +204,11 @@ class OutputAccumulator:
             self.prompt_logprobs = list(out.prompt_logprobs)
         if out.token_id >= 0:
             self.token_ids.append(out.token_id)
-            if out.logprob is not None:
-                self.cumulative_logprob += out.logprob
-            if self.want_logprobs and out.top_logprobs is not None:
-                self.logprobs.append(dict(out.top_logprobs))
+            if self.want_logprobs:  # (the cumulative logprob is reported only then)
+                if out.logprob is not None:
+                    self.cumulative_logprob += out.logprob
+                if out.top_logprobs is not None:
+                    self.logprobs.append(dict(out.top_logprobs))
         if out.text:
             self.text_parts.append(out.text)
         if out.finished:

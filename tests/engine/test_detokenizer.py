@@ -208,6 +208,26 @@ def test_defer_keeps_stop_strings_exact(tokenizer) -> None:
     assert any(deltas[:-1])
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), skip=st.booleans(), stops=st.sampled_from([[], ["e", "\n"]]))
+def test_byte_level_shortcut_streams_the_same_deltas(
+    _detok_smollm_tokenizer, seed: int, skip: bool, stops: list[str]
+) -> None:
+    # a byte-level token of whole characters adds its own text: the same deltas and stop
+    # matches as decoding the window, also among tokens that split a character
+    tok = _detok_smollm_tokenizer
+    rng = random.Random(seed)
+    pieces = [i for i in range(300, 2000) if "\ufffd" in tok.decode([i])]
+    ids = [rng.choice(pieces) if rng.random() < 0.4 else rng.randrange(len(tok)) for _ in range(60)]
+    runs = []
+    for shortcut in (True, False):
+        det = IncrementalDetokenizer(tok, [], stops, skip_special_tokens=skip)
+        assert det._decoder._byte_level
+        det._decoder._byte_level = shortcut
+        runs.append((_stream(det, ids), det.text))
+    assert runs[0] == runs[1]
+
+
 def test_no_stop_fast_path_streams_everything(tokenizer) -> None:
     ids = _encode(tokenizer, "Hello world")
     det = IncrementalDetokenizer(tokenizer, [], stop=[])
