@@ -99,10 +99,10 @@ class LLM:
         return params
 
     def _add_all(
-        self, prompts: list[EnginePrompt], params: list[SamplingParams]
+        self, prompts: list[EnginePrompt], params: list[SamplingParams], defer_text: bool = False
     ) -> list[list[str]]:
         """Queue every prompt's n samples; the engine request ids, grouped per prompt. Nothing
-        stays queued when any prompt is refused."""
+        stays queued when any prompt is refused. defer_text: see LLMEngine.add_request."""
         for p, sp in zip(prompts, params):
             sp.validate()
             if len(p) == 0:
@@ -112,7 +112,8 @@ class LLM:
             for p, sp in zip(prompts, params):
                 groups.append([])
                 for sample in sample_params(sp):
-                    groups[-1].append(self.engine.add_request(p, sample).request_id)
+                    seq = self.engine.add_request(p, sample, defer_text=defer_text)
+                    groups[-1].append(seq.request_id)
         except BaseException:
             for rid in (rid for g in groups for rid in g):
                 self.engine.abort(rid)
@@ -130,7 +131,8 @@ class LLM:
         """One RequestOutput per prompt, in order, holding its params' n CompletionOutputs."""
         plist = parse_prompts(prompts)
         params = self._params_list(sampling_params, len(plist))
-        groups = self._add_all(plist, params)
+        # the accumulators join the text only at the end: decoded once per request
+        groups = self._add_all(plist, params, defer_text=True)
         ids = [rid for g in groups for rid in g]
         seqs = {rid: self.engine.requests[rid] for rid in ids}
         accs = {
@@ -329,9 +331,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[TokenOutput]:
-        """Yield the per-token outputs of all these requests as they land (copies: keep them
-        as long as you like). Closing the iterator aborts what is unfinished. A TokenOutput
-        names its request only, so n > 1 is refused here: use generate() for n samples."""
+        """Yield the per-token outputs of all these requests as they land. Keep them as long as
+        you like: the engine's output pool reuses only the ones nobody references any more
+        (OutputPool.release_through), so none is copied. Closing the iterator aborts what is
+        unfinished. A TokenOutput names its request only, so n > 1 is refused here: use
+        generate() for n samples."""
         plist = parse_prompts(prompts)
         params = self._params_list(sampling_params, len(plist))
         if any(sp.n > 1 for sp in params):
@@ -346,7 +350,7 @@ class LLM:
                     if out.request_id in pending:
                         if out.finished:
                             pending.discard(out.request_id)
-                        yield out.clone()
+                        yield out
         finally:
             for rid in pending:
                 self.engine.abort(rid)
@@ -356,7 +360,7 @@ class LLM:
         # report aborted requests now so the engine is idle (blocks free, pool full) afterwards
         while self.engine._terminal:
             self.engine.step()
-        self.engine.release_outputs()  # the consumer got clones
+        self.engine.release_outputs()  # the pool keeps its hands off the ones still referenced
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -258,10 +258,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        *,
+        defer_text: bool = False,
     ) -> Sequence:
         """Validate and queue. A user error raises InvalidRequestError before anything is queued,
         so no other request is touched. The request gets its own copy of params, checked again
-        here (fields may have changed since construction) and against the model."""
+        here (fields may have changed since construction) and against the model. defer_text:
+        the caller reads the text at the end only (its outputs' text is "" until the last,
+        which carries all of it): without stop strings it is decoded once, not per token."""
         params = copy.copy(params) if params is not None else SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
@@ -303,6 +307,7 @@ class LLMEngine:
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
                 params.min_tokens,
+                defer=defer_text,
             )
         self.requests[request_id] = seq
         self.scheduler.add(seq)

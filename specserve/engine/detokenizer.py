@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -72,6 +72,13 @@ class _TokenizerInfo:
     decode: Callable[[list[int], bool], str]
     special_ids: frozenset[int]  # ids that skip_special_tokens drops
     id_to_token: Callable[[int], str | None] | None  # set only for byte-fallback decoders
+    # a byte-level decoder alone (GPT-2 style BPE): the text of ids is the UTF-8 decode of
+    # their bytes joined, so whole characters decode the same alone as after anything ending
+    # on a character boundary
+    byte_level: bool = False
+    # decode([id]) by id, for the window decoders of every request: a window of one id (the
+    # context after each emission, usually) decodes the same whatever came before it
+    single: dict[int, str] = field(default_factory=dict)
 
 
 _INFO_CACHE: weakref.WeakKeyDictionary[object, _TokenizerInfo] = weakref.WeakKeyDictionary()
@@ -91,6 +98,7 @@ def _tokenizer_info(tokenizer: PreTrainedTokenizerBase) -> _TokenizerInfo:
             ),
             # the Python bindings expose no decoder tree, but its repr names every step
             id_to_token=backend.id_to_token if "ByteFallback" in repr(backend.decoder) else None,
+            byte_level=repr(backend.decoder).startswith("ByteLevel("),
         )
     else:  # slow tokenizer: correct, just not as cheap
         info = _TokenizerInfo(
@@ -114,6 +122,10 @@ class _WindowDecoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
         info = _tokenizer_info(tokenizer)
         self._decode_fn = info.decode
+        # one-id windows decode skipping specials or not alike: those ids never enter a window
+        # that skips them, and the cache holds only ids a window held
+        self._single = info.single
+        self._byte_level = info.byte_level
         self._skip = skip_special_tokens
         # filtering skipped specials up front keeps them out of the window, so they never
         # crowd out the context a boundary rule needs
@@ -133,6 +145,14 @@ class _WindowDecoder:
             return ""
         self._ids.append(token_id)
         pending = len(self._ids) - self._read
+        if pending == 1 and self._byte_level and not self._context_text.endswith(REPLACEMENT_CHAR):
+            # the context ends on a character boundary: a token of whole characters adds its
+            # own text, which the window decode below would find too (and emit the same way)
+            text = self._single_text(token_id)
+            if text and REPLACEMENT_CHAR not in text:
+                del self._ids[:-1]
+                self._read, self._context_text = 1, text
+                return text
         if (
             self._id_to_token is not None
             and pending < MAX_BYTE_RUN_HOLD
@@ -159,9 +179,24 @@ class _WindowDecoder:
         # the ids just emitted become the context for the next window; older ids can no
         # longer influence any boundary rule, so dropping them keeps decodes O(window)
         del self._ids[: self._read]
-        self._read = len(self._ids)
-        self._context_text = self._decode_fn(self._ids, self._skip)
+        ids = self._ids
+        self._read = len(ids)
+        if len(ids) == 1:
+            self._context_text = self._single_text(ids[0])
+        else:
+            self._context_text = self._decode_fn(ids, self._skip)
         return delta
+
+    def _single_text(self, token_id: int) -> str:
+        text = self._single.get(token_id)
+        if text is None:
+            text = self._single[token_id] = self._decode_fn([token_id], self._skip)
+        return text
+
+    def decode_all(self, ids: list[int]) -> str:
+        """The text of a whole output at once (what flush() after pushing each id gives)."""
+        skip = self._skip_ids
+        return self._decode_fn([i for i in ids if i not in skip] if skip else ids, self._skip)
 
 
 class IncrementalDetokenizer:
@@ -177,6 +212,13 @@ class IncrementalDetokenizer:
     `prompt_token_ids` is accepted for API symmetry but deliberately not used as decode
     context: with SentencePiece tokenizers a prompt context would keep the leading space
     of the first output token, which `decode(output_ids)` strips.
+
+    `defer=True` (a caller that reads the text only at the end, e.g. LLM.generate) with no
+    stop strings makes it `deferred`: nothing is decoded per token; `take_delta()` gives ""
+    and `flush()` the whole text, `tokenizer.decode(output_ids)` in one call (by the invariant
+    above, what the deltas would have added up to). A deferred detokenizer need not be fed
+    token by token: `flush(ids)` decodes the output ids given. With stop strings the text is
+    needed after each token to find them, so `defer` has no effect.
     """
 
     def __init__(
@@ -187,10 +229,14 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        defer: bool = False,
     ) -> None:
         self._decoder = _WindowDecoder(tokenizer, skip_special_tokens)
         # an empty stop string would match everywhere: treat it as absent
         self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
+        # decodes at flush() only (class docstring); _deferred: the ids appended until then
+        self.deferred = defer and not self._stops
+        self._deferred: list[int] | None = [] if self.deferred else None
         # a future match must end in future text, so it can start at most this many chars
         # back in the current text: that is both the search tail and the stream holdback
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
@@ -236,11 +282,15 @@ class IncrementalDetokenizer:
             raise RuntimeError("append() after the detokenizer finished")
         token_index = self._num_tokens
         self._num_tokens += 1
+        if self._deferred is not None:
+            self._deferred.append(token_id)
+            return None
         delta = self._decoder.push(token_id)
         if not delta:
             return None
         if not self._stops:  # fast path: nothing to search, nothing to hold back
-            self._append_text(delta)
+            self._chunks.append(delta)
+            self._len += len(delta)
             return None
         return self._accept(delta, token_index, search=token_index >= self._min_tokens)
 
@@ -249,16 +299,26 @@ class IncrementalDetokenizer:
         end = self._len if self._finished else self._len - self._holdback
         if end <= self._streamed:
             return ""
-        out = self._suffix(self._len - self._streamed)[: end - self._streamed]
+        n = self._len - self._streamed
+        last = self._chunks[-1]
+        if len(last) >= n:  # one token's text, usually: no join
+            out = last[len(last) - n : len(last) - n + end - self._streamed]
+        else:
+            out = self._suffix(n)[: end - self._streamed]
         self._streamed = end
         return out
 
-    def flush(self) -> str:
+    def flush(self, ids: list[int] | None = None) -> str:
         """Finishes the request (any reason) and returns all not-yet-streamed text.
 
         Pending text is decoded now; if it completes a stop string, the text is cut there
-        and `stop_match` is set, just as `append` would have done.
+        and `stop_match` is set, just as `append` would have done. Deferred: the text of `ids`,
+        the whole output, when given (else of the ids appended).
         """
+        if not self._finished and self._deferred is not None:
+            self._append_text(self._decoder.decode_all(self._deferred if ids is None else ids))
+            self._deferred = None
+            self._finished = True
         if not self._finished:
             delta = self._decoder.flush()
             if delta:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.outputs import (
     LOGPROB_FLOOR,
     Logprob,
@@ -72,26 +73,6 @@ def _clamp(lp: float) -> float:
     return lp if lp > LOGPROB_FLOOR and not math.isnan(lp) else LOGPROB_FLOOR
 
 
-def check_stop(seq: Sequence, token_id: int, eos_ids: frozenset[int], max_model_len: int):
-    """Stop decision after appending one token. Returns (reason, stop_reason) or None."""
-    p = seq.params
-    n_out = seq.num_output_tokens
-    match = seq.detokenizer.append(token_id) if seq.detokenizer is not None else None
-    # the first min_tokens tokens never stop (the sampler also masks EOS/stop ids for them)
-    if n_out > p.min_tokens:
-        if not p.ignore_eos and token_id in eos_ids:
-            return FinishReason.STOP, None
-        if token_id in p.stop_token_ids:
-            return FinishReason.STOP, token_id
-        if match is not None:
-            return FinishReason.STOP, match.stop_str
-    if p.max_tokens is not None and n_out >= p.max_tokens:
-        return FinishReason.LENGTH, None
-    if seq.num_tokens >= max_model_len:
-        return FinishReason.LENGTH, None
-    return None
-
-
 class Ledger:
     def __init__(
         self,
@@ -135,9 +116,9 @@ class Ledger:
                 self._register_blocks(seq)
                 continue
             assert res is not None
-            num_tokens = seq.num_tokens
+            num_tokens, num_outputs = len(seq.token_ids), len(outputs)
             try:
-                outputs += self._push(seq, qlen, nd, r, row, res, step, now)
+                self._push(outputs, seq, qlen, nd, r, row, res, step, now)
             except OutputPoolExhausted:
                 raise  # the engine's, not this request's
             except Exception as e:
@@ -145,6 +126,7 @@ class Ledger:
                 # end it alone; its outputs of this step are dropped (the pool takes them back
                 # with the step), and so are the tokens it appended; the others' are untouched
                 del seq.token_ids[num_tokens:]
+                del outputs[num_outputs:]
                 outputs.append(self.fail_request(seq, e, step))
             r += 1
             row += seqlen_q
@@ -152,6 +134,7 @@ class Ledger:
 
     def _push(
         self,
+        outputs: list[TokenOutput],
         seq: Sequence,
         qlen: int,
         nd: int,
@@ -160,45 +143,76 @@ class Ledger:
         res: HostStepResult,
         step: int,
         now: float,
-    ) -> list[TokenOutput]:
+    ) -> None:
         """Request r of the step: append its accepted prefix and sampled token with a stop check
-        after each, commit its KV ledger, finish it on a stop; its outputs, in order."""
-        outputs: list[TokenOutput] = []
-        seq.num_pending = max(0, seq.num_pending - 1)
-        seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
+        after each, commit its KV ledger, finish it on a stop; its outputs, in order, appended
+        to `outputs`."""
+        first = len(outputs)
+        if seq.num_pending:
+            seq.num_pending -= 1
+        if seq.num_pending_drafts:
+            seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
         accepted = res.num_accepted[r]
-        tokens = res.verified_token_ids[row : row + accepted]
-        tokens.append(res.sampled_token_ids[r])
-        pushed, stop = 0, None
+        if accepted:
+            tokens = res.verified_token_ids[row : row + accepted]
+            tokens.append(res.sampled_token_ids[r])
+        else:
+            tokens = (res.sampled_token_ids[r],)
+        # the stop rules, hoisted out of the per-token loop
+        p = seq.params
+        token_ids, detok, grammar = seq.token_ids, seq.detokenizer, seq.grammar
+        if detok is not None and detok.deferred:
+            detok = None  # decodes the whole output when it finishes (_finish_output)
+        n_out = len(token_ids) - len(seq.prompt_token_ids)  # output tokens so far
+        eos = () if p.ignore_eos else self.eos_ids
+        stop_ids, min_tokens = p.stop_token_ids, p.min_tokens
+        # LENGTH at max_tokens outputs or at max_model_len tokens, whichever comes first
+        length_at = self.sched.max_model_len - len(seq.prompt_token_ids)
+        if p.max_tokens is not None and p.max_tokens < length_at:
+            length_at = p.max_tokens
+        stop = None
         for j, tok in enumerate(tokens):
-            seq.token_ids.append(tok)
-            pushed += 1
+            token_ids.append(tok)
+            n_out += 1
             # the stop check feeds the detokenizer, so it runs before the output takes its text
-            stop = check_stop(seq, tok, self.eos_ids, self.sched.max_model_len)
+            match = detok.append(tok) if detok is not None else None
+            # the first min_tokens tokens never stop (the sampler also masks EOS/stop ids for them)
+            if n_out > min_tokens:
+                if tok in eos:
+                    stop = FinishReason.STOP, None
+                elif tok in stop_ids:
+                    stop = FinishReason.STOP, tok
+                elif match is not None:
+                    stop = FinishReason.STOP, match.stop_str
+            if stop is None and n_out >= length_at:
+                stop = FinishReason.LENGTH, None
             # structured outputs: the grammar advances by emitted tokens only; once it is
             # finished the request stops, also where max_tokens ends it at the same token
-            if seq.grammar is not None and seq.grammar.advance(tok):
+            if grammar is not None and grammar.advance(tok):
                 if stop is None or stop[0] is FinishReason.LENGTH:
                     stop = FinishReason.STOP, None
-            outputs.append(self._token_output(seq, tok, row + j, res, step))
+            outputs.append(self._token_output(seq, tok, n_out, row + j, res, step, detok))
             if stop is not None:
                 break
+        pushed = len(outputs) - first
         # pushed_tokens_before_finish = pushed; KV keeps the anchor rows + accepted drafts
-        seq.commit_processed_tokens(qlen, qlen - nd + accepted)
-        if nd > accepted:
-            self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
-        self.num_generated_tokens += pushed
-        emitted_drafts = min(accepted, pushed)
-        drafted = nd if res.num_real_drafts is None else res.num_real_drafts[r]
-        seq.spec.num_drafts += drafted > 0
-        seq.spec.num_draft_tokens += drafted
-        seq.spec.num_accepted_tokens += emitted_drafts
-        self.spec.record(drafted, emitted_drafts)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         anchor = outputs[-1]
         anchor.is_anchor = True
-        anchor.draft_tok, anchor.accept_tok = drafted, emitted_drafts
+        if nd > accepted:
+            seq.commit_processed_tokens(qlen, qlen - nd + accepted)
+            self.sched.bm.truncate(seq.block_table, seq.num_computed_tokens)
+        self.num_generated_tokens += pushed
+        if nd or res.num_real_drafts is not None:
+            emitted_drafts = min(accepted, pushed)
+            drafted = nd if res.num_real_drafts is None else res.num_real_drafts[r]
+            seq.spec.num_drafts += drafted > 0
+            seq.spec.num_draft_tokens += drafted
+            seq.spec.num_accepted_tokens += emitted_drafts
+            self.spec.record(drafted, emitted_drafts)
+            anchor.draft_tok, anchor.accept_tok = drafted, emitted_drafts
+        # (no drafts: no speculation counter moves, and the anchor's stay 0)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
         if res.draft_confidences is not None:
             anchor.draft_confidences = res.draft_confidences[r]
         if stop is not None:
@@ -207,19 +221,30 @@ class Ledger:
             self._finish_output(seq, anchor)
         else:
             self._register_blocks(seq)
-        return outputs
 
     def _register_blocks(self, seq: Sequence) -> None:
-        self.sched.bm.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        bm, table = self.sched.bm, seq.block_table
+        # a block filled since the last call (once every block_size tokens) has work to do
+        if len(table.hashes) < seq.num_computed_tokens // bm.block_size:
+            bm.register_full_blocks(table, seq.token_ids, seq.num_computed_tokens)
 
     def _token_output(
-        self, seq: Sequence, tok: int, row: int, res: HostStepResult, step: int
+        self,
+        seq: Sequence,
+        tok: int,
+        n_out: int,
+        row: int,
+        res: HostStepResult,
+        step: int,
+        detok: IncrementalDetokenizer | None,
     ) -> TokenOutput:
+        """The pooled output of seq's n_out-th output token, tok (verify-layout row `row`);
+        its text from `detok` (None: no text per token)."""
         out = self.pool.acquire(step)
         out.request_id = seq.request_id
         out.token_id = tok
-        out.index = seq.num_output_tokens - 1
-        out.num_output_tokens = seq.num_output_tokens
+        out.index = n_out - 1
+        out.num_output_tokens = n_out
         if res.token_logprobs is not None:
             out.logprob = _clamp(res.token_logprobs[row])
             if seq.params.logprobs is not None:
@@ -231,12 +256,12 @@ class Ledger:
                     if tid not in top:
                         top[tid] = Logprob(_clamp(lp), rank + 1, self._decode(tid))
                 out.top_logprobs = top
-        if out.index == 0 and seq.params.prompt_logprobs is not None:
+        if n_out == 1 and seq.params.prompt_logprobs is not None:
             # the prompt's scores ride on the first output (a one-token prompt has none to score)
             state = seq.prompt_logprobs_state
             out.prompt_logprobs = state.result(self._decode) if state is not None else [None]
-        if seq.detokenizer is not None:
-            out.text = seq.detokenizer.take_delta()
+        if detok is not None:
+            out.text = detok.take_delta()
         return out
 
     def _decode(self, tok: int) -> str | None:
@@ -244,8 +269,9 @@ class Ledger:
 
     def _finish_output(self, seq: Sequence, out: TokenOutput) -> None:
         # a failed request's held-back text is not released: its detokenizer may be what failed
-        if seq.detokenizer is not None and seq.finish_reason is not FinishReason.ERROR:
-            out.text += seq.detokenizer.flush()
+        detok = seq.detokenizer
+        if detok is not None and seq.finish_reason is not FinishReason.ERROR:
+            out.text += detok.flush(seq.output_token_ids if detok.deferred else None)
         out.finished = True
         out.finish_reason = seq.finish_reason.value
         out.stop_reason = seq.stop_reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import sys
 from dataclasses import dataclass, field
 
 LOGPROB_FLOOR = -9999.0  # no -inf crosses the output boundary (JSON has no infinity)
@@ -19,10 +19,11 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
-    """One emitted token of one request. Pooled: valid until two steps after the one that made it;
-    a consumer that keeps it longer calls clone()."""
+    """One emitted token of one request. Pooled: the pool takes it back two steps after the one
+    that made it, and hands it out again only if nothing else references it then (a consumer
+    that keeps it keeps it unchanged: OutputPool.release_through)."""
 
     request_id: str = ""
     token_id: int = -1
@@ -45,30 +46,54 @@ class TokenOutput:
     step: int = -1  # step that allocated it (pool bookkeeping)
 
     def clone(self) -> TokenOutput:
-        out = copy.copy(self)
-        out.step = -1
-        if self.top_logprobs is not None:
-            out.top_logprobs = dict(self.top_logprobs)
-        if self.prompt_logprobs is not None:
-            out.prompt_logprobs = list(self.prompt_logprobs)
-        return out
+        """A copy the pool knows nothing of (step -1)."""
+        return TokenOutput(
+            self.request_id,
+            self.token_id,
+            self.index,
+            self.text,
+            self.logprob,
+            dict(self.top_logprobs) if self.top_logprobs is not None else None,
+            list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            self.num_output_tokens,
+            self.finished,
+            self.finish_reason,
+            self.stop_reason,
+            self.is_anchor,
+            self.draft_tok,
+            self.accept_tok,
+            self.draft_confidences,
+        )
 
-    def _reset(self) -> None:
-        self.token_id, self.text, self.logprob, self.top_logprobs = -1, "", None, None
-        self.prompt_logprobs = None
-        self.finished, self.finish_reason, self.stop_reason = False, None, None
-        self.is_anchor, self.draft_tok, self.accept_tok, self.draft_confidences = False, 0, 0, None
+
+def _pool_refs() -> int:
+    """sys.getrefcount of a released output only the pool holds, in release_through's loop (its
+    step list, the loop variable, the call; measured: interpreters count arguments differently)."""
+    outs = [TokenOutput()]
+    for out in outs:
+        return sys.getrefcount(out)
+    raise AssertionError
+
+
+_POOL_REFS = _pool_refs()
 
 
 class OutputPool:
     """Fixed-capacity pool of TokenOutput. Outputs of step N are released at the start of step
     N + 2 (a consumer has one full step to read them). Exhaustion is an error, never a silent
-    allocation: it means outputs are made faster than they are released."""
+    allocation: it means outputs are made faster than they are released.
+
+    A released output that something else still references (a consumer keeping what
+    LLM.stream handed it) is not reused: the pool lets it go and takes a fresh one in its
+    place, so a kept output never changes and nobody copies the ones that are not kept."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._free: list[TokenOutput] = [TokenOutput() for _ in range(capacity)]
         self._by_step: dict[int, list[TokenOutput]] = {}
+        self._step = -1  # the step whose list _held is (acquire's fast path)
+        self._held: list[TokenOutput] = []
+        self.num_kept = 0  # released outputs still referenced elsewhere, replaced
 
     @property
     def num_free(self) -> int:
@@ -82,15 +107,30 @@ class OutputPool:
                 f"held per step {held}; outputs must be released two steps after they are made"
             )
         out = self._free.pop()
-        out._reset()
+        # back to the field defaults but request_id, index and num_output_tokens (the ledger
+        # sets those), inline: once per token
+        out.token_id, out.text, out.logprob, out.top_logprobs = -1, "", None, None
+        out.prompt_logprobs = None
+        out.finished, out.finish_reason, out.stop_reason = False, None, None
+        out.is_anchor, out.draft_tok, out.accept_tok, out.draft_confidences = False, 0, 0, None
         out.step = step
-        self._by_step.setdefault(step, []).append(out)
+        if step != self._step:
+            self._step, self._held = step, self._by_step.setdefault(step, [])
+        self._held.append(out)
         return out
 
     def release_through(self, step: int) -> None:
         """Return every output allocated in steps <= step."""
+        free = self._free
         for s in [s for s in self._by_step if s <= step]:
-            self._free.extend(self._by_step.pop(s))
+            outs = self._by_step.pop(s)
+            if s == self._step:
+                self._step = -1
+            for out in outs:
+                if sys.getrefcount(out) > _POOL_REFS:
+                    out = TokenOutput()  # someone keeps it: it is theirs now
+                    self.num_kept += 1
+                free.append(out)
 
 
 @dataclass
@@ -164,10 +204,11 @@ class OutputAccumulator:
             self.prompt_logprobs = list(out.prompt_logprobs)
         if out.token_id >= 0:
             self.token_ids.append(out.token_id)
-            if out.logprob is not None:
-                self.cumulative_logprob += out.logprob
-            if self.want_logprobs and out.top_logprobs is not None:
-                self.logprobs.append(dict(out.top_logprobs))
+            if self.want_logprobs:  # (the cumulative logprob is reported only then)
+                if out.logprob is not None:
+                    self.cumulative_logprob += out.logprob
+                if out.top_logprobs is not None:
+                    self.logprobs.append(dict(out.top_logprobs))
         if out.text:
             self.text_parts.append(out.text)
         if out.finished:

@@ -153,6 +153,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         idx = 0
+        bs = self.bm.block_size
+        host_drafts = (
+            self.slots.token_ids if self.slots is not None and not self.device_drafts else None
+        )
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             if only is not None and seq.request_id not in only:
@@ -167,7 +171,7 @@ class Scheduler:
                 nd = draft_rows(seq, cap, budget, self.max_model_len)
                 d: list[int] = [-1] * nd if remaining == 1 else []
             else:
-                d = self.slots.token_ids[seq.slot] if self.slots and remaining == 1 else []
+                d = host_drafts[seq.slot] if host_drafts is not None and remaining == 1 else []
             if d and not self.device_drafts:
                 # drafts never push the sequence past max_model_len, max_tokens or the budget
                 room = min(budget - 1, self.max_model_len - seq.num_tokens)
@@ -175,14 +179,16 @@ class Scheduler:
                     room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
                 d = d[: max(0, room)]
             rows = min(remaining, budget) if not d else 1 + len(d)
-            while not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                break  # it preempted itself: nothing later in the list is left either
+            # the rows fit the blocks it holds (most decode steps): nothing to allocate
+            if seq.num_computed_tokens + rows > len(seq.block_table.blocks) * bs:
+                while not self.bm.can_allocate(seq.block_table, seq.num_computed_tokens + rows):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    break  # it preempted itself: nothing later in the list is left either
             self._add_to_batch(batch, seq, rows, d)
             budget -= rows
             idx += 1
@@ -263,17 +269,21 @@ class Scheduler:
         return new_blocks + cached_free <= self.bm.num_free_blocks
 
     def _add_to_batch(self, batch: StepBatch, seq: Sequence, rows: int, drafts: list[int]) -> None:
-        self.bm.allocate(seq.block_table, seq.num_computed_tokens + rows)
-        ahead = seq.num_computed_tokens + rows + self.lookahead
-        if self.lookahead and self.bm.can_allocate(seq.block_table, ahead):
-            self.bm.allocate(seq.block_table, ahead)
-        samples = seq.num_computed_tokens + rows - len(drafts) == (
-            seq.num_tokens + seq.num_pending + seq.num_pending_drafts
+        start = seq.num_computed_tokens
+        if start + rows > len(seq.block_table.blocks) * self.bm.block_size:
+            self.bm.allocate(seq.block_table, start + rows)
+        if self.lookahead:
+            ahead = start + rows + self.lookahead
+            if self.bm.can_allocate(seq.block_table, ahead):
+                self.bm.allocate(seq.block_table, ahead)
+        pending_drafts = seq.num_pending_drafts
+        samples = start + rows - len(drafts) == (
+            len(seq.token_ids) + seq.num_pending + pending_drafts
         )
-        batch.shifts.append(seq.num_pending_drafts > 0)
-        batch.starts.append(seq.num_computed_tokens)
+        batch.shifts.append(pending_drafts > 0)
+        batch.starts.append(start)
         batch.epochs.append(seq.epoch)
-        seq.advance_optimistically(rows)
+        seq.num_computed_tokens = start + rows  # advance_optimistically
         batch.seqs.append(seq)
         batch.query_lens.append(rows)
         batch.num_drafts.append(len(drafts))

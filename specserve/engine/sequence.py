@@ -70,6 +70,8 @@ class Sequence:
     prompt_logprobs_state: object | None = None
     # structured outputs: specserve.structured.matcher.RequestGrammar, set by the engine
     grammar: object | None = None
+    # its sampling parameters and seed packed for the sampler's upload (runner/sampler_inputs.py)
+    sampling_row: bytes | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -280,9 +280,15 @@ class DecodeGraphs:
         packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
         ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
-        bt.fill(0)
-        for i, blocks in enumerate(tables):
-            bt[i, : len(blocks)] = blocks
+        # every table at once (a numpy assignment per request cost ~1 us each at 256)
+        lens = list(map(len, tables))
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
+        if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
+            bt[:] = flat.reshape(nreq, w)
+        else:
+            used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
+            bt[~used] = 0
+            bt[used] = flat
         cum = np.zeros(nreq + 1, dtype=np.int64)
         np.cumsum(qlens, out=cum[1:])
         req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row

@@ -21,7 +21,15 @@ from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import Readback, h2d
 from specserve.runner.device_feed import DraftFeed, advance_slots, drafted_rows
 from specserve.runner.logits_plan import plan_logits_processing
-from specserve.sample.layout import RowLayout, build_layout
+from specserve.runner.sampler_inputs import (
+    GOLDEN,
+    LOGPROBS,
+    MIN_TOKENS,
+    PENALTIES,
+    PROCESSING,
+    build_inputs,
+)
+from specserve.sample.layout import RowLayout
 from specserve.sample.verify import VerifyResult, verify
 
 
@@ -151,10 +159,6 @@ class StepSampler:
         self.eos_ids = sorted(eos_ids)
         self.vocab_size = vocab_size
 
-    def layout(self, seqlens_q: list[int]) -> RowLayout:
-        t = h2d(seqlens_q, torch.int64, self.device)
-        return build_layout(t, sum(seqlens_q), max(seqlens_q) - 1)
-
     def plan(
         self,
         seqs: list[Sequence],
@@ -174,39 +178,39 @@ class StepSampler:
         accepted, and the device takes off the ones its step rejected (DraftFeed). anchor_pos:
         the KV position of each request's anchor row as laid out (device drafters only).
         deferred: leave out the host-token half (complete() adds it after the ledger)."""
-        seqlens_q = [1 + len(d) for d in drafts]
-        row_params, row_seeds, row_counters = [], [], []
-        draft_rows: list[int] = []
-        for seq, d in zip(seqs, drafts):
-            n_out = seq.num_output_tokens + seq.num_pending + seq.num_pending_drafts
-            for j in range(len(d) + 1):
-                row_params.append(seq.params)
-                row_seeds.append(seq.seed)
-                row_counters.append(n_out + j)
-            draft_rows.extend(d)
-            draft_rows.append(0)  # the last row verifies nothing
-        processing, penalties = (None, None) if deferred else self._host_tokens(seqs, drafts)
-        want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        inp = build_inputs(seqs, drafts, self.device)
+        needs = inp.needs  # a scan below runs only when some request needs it
+        processing = penalties = None
+        if not deferred and needs & (PENALTIES | PROCESSING):
+            processing, penalties = self._host_tokens(seqs, drafts)
+        want = (
+            [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+            if needs & LOGPROBS
+            else None
+        )
         feed = None
         shifted = shifts is not None and any(shifts)
         if device_drafts:
             feed = self._feed(seqs, drafts, shifts or [False] * len(seqs), anchor_pos)
-        golden = shifted and any(s.params.golden_token_ids is not None for s in seqs)
-        mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
+        golden = shifted and bool(needs & GOLDEN)
+        mask = limit = None
+        if needs & MIN_TOKENS:
+            mask, limit = self._min_tokens_mask(seqs, drafts, bounded=shifted)
+        forced = None if golden or not needs & GOLDEN else self._forced(seqs, drafts)
         return SamplerPlan(
-            self.layout(seqlens_q),
-            SamplingTensors.build(row_params, row_seeds, row_counters, self.device),
-            h2d(draft_rows, torch.int64, self.device),
+            inp.layout,
+            inp.t,
+            inp.draft_ids,
             penalties,
             mask,
-            None if golden else self._forced(seqs, drafts),
-            h2d([s.slot for s in seqs], torch.int64, self.device),
+            forced,
+            inp.slots,
             max(want) if want else None,
             processing,
             feed,
             limit,
             golden,
-            seqlens_q,
+            inp.seqlens_q,
         )
 
     def complete(

@@ -175,6 +175,59 @@ def test_random_ids_match_full_decode(tokenizer, skip: bool) -> None:
         assert "".join(deltas) == _decode(tokenizer, ids, skip) == det.text
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), skip=st.booleans())
+def test_deferred_text_is_the_streamed_text(tokenizer, seed: int, skip: bool) -> None:
+    # defer (LLM.generate): nothing per token, the whole text at flush, the same text
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 80))]
+    streamed, _, _ = _stream(
+        IncrementalDetokenizer(tokenizer, [], [], skip_special_tokens=skip), ids
+    )
+    det = IncrementalDetokenizer(tokenizer, [], [], skip_special_tokens=skip, defer=True)
+    deltas, match, _ = _stream(det, ids)
+    assert match is None and not any(deltas[:-1])
+    assert deltas[-1] == "".join(streamed) == det.text
+    assert det.num_tokens == len(ids) and det.finished and det.deferred
+    # fed nothing, given the whole output at the end (the ledger's way)
+    det = IncrementalDetokenizer(tokenizer, [], [], skip_special_tokens=skip, defer=True)
+    assert det.flush(ids) == "".join(streamed)
+
+
+def test_defer_keeps_stop_strings_exact(tokenizer) -> None:
+    # stop strings need the text after every token: defer changes nothing then
+    ids = _encode(tokenizer, "The quick brown fox jumps over the lazy dog.")
+    runs = []
+    for defer in (False, True):
+        det = IncrementalDetokenizer(tokenizer, [], ["fox"], defer=defer)
+        runs.append((_stream(det, ids), det.text))
+    assert runs[0] == runs[1]
+    assert not IncrementalDetokenizer(tokenizer, [], ["fox"], defer=True).deferred
+    (deltas, match, _), text = runs[1]
+    assert match is not None and match.stop_str == "fox" and "fox" not in text
+    assert any(deltas[:-1])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), skip=st.booleans(), stops=st.sampled_from([[], ["e", "\n"]]))
+def test_byte_level_shortcut_streams_the_same_deltas(
+    _detok_smollm_tokenizer, seed: int, skip: bool, stops: list[str]
+) -> None:
+    # a byte-level token of whole characters adds its own text: the same deltas and stop
+    # matches as decoding the window, also among tokens that split a character
+    tok = _detok_smollm_tokenizer
+    rng = random.Random(seed)
+    pieces = [i for i in range(300, 2000) if "\ufffd" in tok.decode([i])]
+    ids = [rng.choice(pieces) if rng.random() < 0.4 else rng.randrange(len(tok)) for _ in range(60)]
+    runs = []
+    for shortcut in (True, False):
+        det = IncrementalDetokenizer(tok, [], stops, skip_special_tokens=skip)
+        assert det._decoder._byte_level
+        det._decoder._byte_level = shortcut
+        runs.append((_stream(det, ids), det.text))
+    assert runs[0] == runs[1]
+
+
 def test_no_stop_fast_path_streams_everything(tokenizer) -> None:
     ids = _encode(tokenizer, "Hello world")
     det = IncrementalDetokenizer(tokenizer, [], stop=[])

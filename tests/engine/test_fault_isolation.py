@@ -358,15 +358,15 @@ def test_the_server_answers_only_the_failed_request_with_a_500():
 def test_offline_results_say_why_a_request_failed(sync_llm, monkeypatch):
     from specserve.runner import step_sampler
 
-    real = step_sampler.StepSampler._min_tokens_mask
+    real = step_sampler.build_inputs  # every step's sampler plan builds its inputs
     poisoned: set[str] = set()
 
-    def mask(self, seqs, drafts, **kw):
+    def build(seqs, drafts, device):
         if any(s.request_id in poisoned for s in seqs):
             raise IndexError("poisoned request")
-        return real(self, seqs, drafts, **kw)
+        return real(seqs, drafts, device)
 
-    monkeypatch.setattr(step_sampler.StepSampler, "_min_tokens_mask", mask)
+    monkeypatch.setattr(step_sampler, "build_inputs", build)
     engine_add = sync_llm.engine.add_request
 
     def add(prompt, params, *a, **kw):

@@ -1,0 +1,212 @@
+"""The per-row inputs of a step's verification, built on the host and uploaded as one buffer.
+
+Each step the sampler needs, per row of the verify layout, the request's sampling parameters,
+its RNG seed and counter and the draft the row checks, plus the layout itself (ftp,
+row_to_req, local_step, is_verify). Built tensor by tensor that was ~10 host-to-device copies
+and a handful of layout kernels per step, each a fixed host cost (on CUDA a pinned staging
+copy and a launch): the largest share of the host's work per step at batch 1. Here the host,
+which knows seqlens_q anyway, lays everything out with numpy in one byte buffer; one upload,
+then typed views of it (the same dtypes and values as StepSampler built before:
+SamplingTensors.build and sample.layout.build_layout).
+
+A request's sampling parameters do not change while it runs: their row is packed once
+(Sequence.sampling_row) and a step joins the rows of its requests.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.ops.random import to_int64_bits
+from specserve.ops.sampling import SamplingTensors
+from specserve.ops.transfer import h2d
+from specserve.sample.layout import RowLayout
+
+# one request's sampling row: temperature, top_p, min_p (float32), top_k (int32), seed (int64),
+# flags (int32: what SamplingTensors' any_*/all_* flags are made of, and what else the request
+# needs of the sampler's slower paths: a step none of whose requests needs one skips its scan)
+_ROW = struct.Struct("<fffiqi4x")
+_ROW_DTYPE = np.dtype(
+    {
+        "names": ["temperature", "top_p", "min_p", "top_k", "seed", "flags"],
+        "formats": ["<f4", "<f4", "<f4", "<i4", "<i8", "<i4"],
+        "offsets": [0, 4, 8, 12, 16, 24],
+        "itemsize": 32,
+    }
+)
+assert _ROW.size == _ROW_DTYPE.itemsize
+_GREEDY, _TOP_K, _TOP_P, _MIN_P = 1, 2, 4, 8
+PENALTIES, PROCESSING, MIN_TOKENS, GOLDEN, LOGPROBS = 16, 32, 64, 128, 256
+
+
+def _needs(p) -> int:
+    return (
+        PENALTIES * p.has_penalties
+        | PROCESSING * p.has_logits_processing
+        | MIN_TOKENS * (p.min_tokens > 0)
+        | GOLDEN * (p.golden_token_ids is not None)
+        | LOGPROBS * (p.logprobs is not None)
+    )
+
+
+def sampling_row(seq: Sequence) -> bytes:
+    """The request's packed sampling row, made at its first step (its params are fixed once
+    it is added). Greedy requests drop their filters, so SamplingTensors' any_* flags only
+    wake up for requests that sample."""
+    row = seq.sampling_row
+    if row is None:
+        p = seq.params
+        seed = to_int64_bits(seq.seed)
+        try:
+            if p.greedy:
+                row = _ROW.pack(0.0, 1.0, 0.0, 0, seed, _GREEDY | _needs(p))
+            else:
+                t, top_p, min_p, k = float(p.temperature), float(p.top_p), float(p.min_p), p.top_k
+                flags = _TOP_K * (k > 0) | _TOP_P * (top_p < 1.0) | _MIN_P * (min_p > 0.0)
+                flags |= _needs(p)
+                row = _ROW.pack(t, top_p, min_p, int(k), seed, flags)
+        except struct.error as e:  # what torch's int32 table raised before: an overflow
+            raise OverflowError(
+                f"request {seq.request_id}: sampling parameters overflow the sampler's table ({e})"
+            ) from e
+        seq.sampling_row = row
+    return row
+
+
+class _Sections(NamedTuple):
+    seqlens_q: torch.Tensor  # [R] int64
+    ftp: torch.Tensor  # [R] int64
+    slots: torch.Tensor  # [R] int64
+    seed: torch.Tensor  # [T] int64
+    counter: torch.Tensor  # [T] int64
+    row_to_req: torch.Tensor  # [T] int64
+    local_step: torch.Tensor  # [T] int64
+    draft_ids: torch.Tensor  # [T] int64
+    top_k: torch.Tensor  # [T] int32
+    temperature: torch.Tensor  # [T] float32
+    top_p: torch.Tensor  # [T] float32
+    min_p: torch.Tensor  # [T] float32
+    is_verify: torch.Tensor  # [T] bool
+
+
+class PackedInputs:
+    """One step's upload, by dtype (8-byte sections first, so every view is aligned): int64
+    seqlens_q, ftp, slots [R] and seed, counter, row_to_req, local_step, draft_ids [T]; int32
+    top_k [T]; float32 temperature, top_p, min_p [T]; bool is_verify [T]."""
+
+    def __init__(self, num_reqs: int, total_q: int) -> None:
+        r, t = num_reqs, total_q
+        self.i64 = [r, r, r, t, t, t, t, t]
+        self.f32 = [t, t, t]
+        self.i32_at = 8 * (3 * r + 5 * t)
+        self.f32_at = self.i32_at + 4 * t
+        self.bool_at = self.f32_at + 12 * t
+        self.nbytes = self.bool_at + t
+
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(buffer, its int64, int32, float32 and bool parts) to fill."""
+        buf = np.empty(self.nbytes, dtype=np.uint8)
+        return (
+            buf,
+            buf[: self.i32_at].view(np.int64),
+            buf[self.i32_at : self.f32_at].view(np.int32),
+            buf[self.f32_at : self.bool_at].view(np.float32),
+            buf[self.bool_at :].view(np.bool_),
+        )
+
+    def device(self, buf: torch.Tensor) -> _Sections:
+        """The uploaded buffer's sections (views, two split calls: each view costs host time)."""
+        return _Sections(
+            *buf[: self.i32_at].view(torch.int64).split_with_sizes(self.i64),
+            buf[self.i32_at : self.f32_at].view(torch.int32),
+            *buf[self.f32_at : self.bool_at].view(torch.float32).split_with_sizes(self.f32),
+            buf[self.bool_at :].view(torch.bool),
+        )
+
+
+class SamplerInputs(NamedTuple):
+    layout: RowLayout
+    t: SamplingTensors  # per row
+    draft_ids: torch.Tensor  # [total_q] int64, 0 on rows that check no draft
+    slots: torch.Tensor  # [R] int64
+    seqlens_q: list[int]
+    needs: int  # PENALTIES | PROCESSING | ...: what some request of the step needs
+
+
+def build_inputs(
+    seqs: Seq[Sequence], drafts: Seq[list[int]], device: torch.device
+) -> SamplerInputs:
+    """The per-row inputs of a step's sampling requests, in one upload. A row's counter is the
+    index of the output token it would produce: the request's output tokens, pending ones
+    included (overlap), plus its local step."""
+    r = len(seqs)
+    seqlens_q = [1 + len(d) for d in drafts]
+    t = sum(seqlens_q)
+    lay = PackedInputs(r, t)
+    buf, i64, i32, f32, is_verify = lay.host()
+    rows = np.frombuffer(b"".join([sampling_row(s) for s in seqs]), dtype=_ROW_DTYPE)
+    n_out = np.fromiter(
+        (
+            len(s.token_ids) - len(s.prompt_token_ids) + s.num_pending + s.num_pending_drafts
+            for s in seqs
+        ),
+        dtype=np.int64,
+        count=r,
+    )
+    # int64: seqlens_q, ftp, slots | seed, counter, row_to_req, local_step, draft_ids
+    i64[2 * r : 3 * r] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
+    b = 3 * r  # start of the per-row sections
+    if t == r:  # no drafts: a row per request
+        i64[:r] = 1
+        i64[r : 2 * r] = i64[b + 2 * t : b + 3 * t] = np.arange(r)
+        i64[b + 3 * t :] = 0  # local_step, draft_ids
+        is_verify[:] = False
+        per_row = rows
+        i64[b + t : b + 2 * t] = n_out
+    else:
+        sq = np.array(seqlens_q, dtype=np.int64)
+        i64[:r] = sq
+        ftp = i64[r : 2 * r]
+        np.cumsum(sq, out=ftp)
+        ftp -= sq
+        req = np.repeat(np.arange(r), sq)
+        local = np.arange(t) - ftp[req]
+        i64[b + 2 * t : b + 3 * t] = req
+        i64[b + 3 * t : b + 4 * t] = local
+        is_verify[:] = local != sq[req] - 1
+        # each request's drafts, then 0 at its last row (which verifies nothing)
+        i64[b + 4 * t :] = np.fromiter((x for d in drafts for x in (*d, 0)), np.int64, count=t)
+        per_row = rows[req]
+        i64[b + t : b + 2 * t] = n_out[req] + local
+    i64[b : b + t] = per_row["seed"]
+    i32[:] = per_row["top_k"]
+    f32[:t], f32[t : 2 * t], f32[2 * t :] = (
+        per_row["temperature"], per_row["top_p"], per_row["min_p"]
+    )  # fmt: skip
+    d = lay.device(h2d(buf, torch.uint8, device))
+    flags = rows["flags"]
+    any_flags, all_flags = int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags))
+    st = SamplingTensors(
+        temperature=d.temperature,
+        top_k=d.top_k,
+        top_p=d.top_p,
+        min_p=d.min_p,
+        seed=d.seed,
+        counter=d.counter,
+        all_greedy=bool(all_flags & _GREEDY),
+        any_greedy=bool(any_flags & _GREEDY),
+        any_top_k=bool(any_flags & _TOP_K),
+        any_top_p=bool(any_flags & _TOP_P),
+        any_min_p=bool(any_flags & _MIN_P),
+        max_top_k=int(rows["top_k"].max()),
+    )
+    layout = RowLayout(
+        d.seqlens_q, d.ftp, d.row_to_req, d.local_step, d.is_verify, t, max(seqlens_q) - 1
+    )
+    return SamplerInputs(layout, st, d.draft_ids, d.slots, seqlens_q, any_flags & ~(PENALTIES - 1))
