@@ -19,6 +19,7 @@ from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestO
 from specserve.fanout import sample_params
 from specserve.inputs import EnginePrompt, PromptType, parse_prompts
 from specserve.llm_engine import LLMEngine
+from specserve.model.quant import quantize_engine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.structured.tool_parser import parse_tool_calls
 from specserve.structured.tools import (
@@ -75,6 +76,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(cfg, progress=progress)
+        quantize_engine(self.engine)  # no-op unless cfg.quantization
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
 
