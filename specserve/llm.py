@@ -15,6 +15,7 @@ from specserve.chat import (
     template_messages,
 )
 from specserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from specserve.engine.cpu_threads import apply_cpu_threads
 from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
 from specserve.fanout import sample_params
 from specserve.inputs import EnginePrompt, PromptType, parse_prompts
@@ -75,6 +76,7 @@ class LLM:
             seed=seed,
             **kwargs,
         )
+        apply_cpu_threads(cfg.device)  # before the engine: its overlap worker copies the count
         self.engine = LLMEngine(cfg, progress=progress)
         quantize_engine(self.engine)  # no-op unless cfg.quantization
         self.tokenizer = self.engine.tokenizer
