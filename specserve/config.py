@@ -76,6 +76,8 @@ class SpeculativeConfig:
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+# int8: weight-only int8 (bf16 activations into the GEMM); w8a8: int8 weights and activations
+QUANTIZATION_METHODS = ("int8", "w8a8")
 
 
 @dataclass
@@ -87,7 +89,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     tensor_parallel_size: int = 1  # ranks (processes, devices) one model is split over
-    quantization: str | None = None  # only None: weights run in `dtype`
+    # None: weights run in `dtype`; "int8" / "w8a8": int8 linear weights on the CPU (model/quant.py)
+    quantization: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_batched_tokens: int | None = None  # token budget of one step; None: picked by device
@@ -133,12 +136,6 @@ class EngineConfig:
                     "tensor_parallel_size > 1; use a separate draft model or 'ngram'",
                     "speculative_config",
                 )
-        if self.quantization is not None:
-            bad(
-                f"quantization={self.quantization!r} is not supported: weights run in dtype "
-                "(GGUF files are dequantized on load)",
-                "quantization",
-            )
         if self.dtype not in DTYPES:
             bad(
                 f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}, half or float",
@@ -179,6 +176,7 @@ class EngineConfig:
                 "speculative_config.model",
             )
         _check_device(self.device, self.tensor_parallel_size)
+        check_quantization(self.quantization, self.device, tp)
 
     def step_token_budget(self, device_type: str, max_model_len: int) -> int:
         """Rows one step may hold (before the engine's floor of one decode row per request).
@@ -224,6 +222,35 @@ def _normalize_dtype(dtype: Any) -> str:
     # a torch.dtype prints as "torch.float16"; str() keeps torch out of this module
     name = str(dtype).removeprefix("torch.")
     return DTYPE_ALIASES.get(name, name)
+
+
+def check_quantization(method: object, device: str, tensor_parallel_size: int) -> None:
+    """User errors in `quantization`, before anything loads (EngineConfig.validate)."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise InvalidRequestError(
+            f"quantization={method!r} is not supported; use one of "
+            f"{', '.join(QUANTIZATION_METHODS)} (CPU only) or leave it unset",
+            "quantization",
+        )
+    if tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            f"quantization={method!r} is not supported with tensor_parallel_size > 1 "
+            "(the shards are cut from full-precision weights)",
+            "quantization",
+        )
+    kind = device.partition(":")[0]
+    if kind == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind != "cpu":
+        raise InvalidRequestError(
+            f"quantization={method!r} runs on the CPU only (its kernels are torch's CPU int8 "
+            "kernels); use device='cpu', or leave quantization unset on CUDA",
+            "quantization",
+        )
 
 
 def _check_device(device: str, tp: int = 1) -> None:

@@ -131,3 +131,35 @@ def test_streamed_text_equals_generated_text_and_usage(llm, prompts, reference):
         assert "".join(o.text for o in outs) == ref.outputs[0].text
         assert [o.token_id for o in outs] == ref.outputs[0].token_ids
         assert outs[-1].num_output_tokens == len(ref.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    ("method", "min_agree", "max_moved"), [("int8", 0.9, 0.1), ("w8a8", 0.85, 0.25)]
+)
+def test_int8_weights_stay_close_to_fp32(
+    llm, prompts, reference, fresh_llm, method, min_agree, max_moved
+):
+    """quantization=int8 / w8a8 against fp32 on the 11 prompts x the first 32 tokens fp32
+    generated: how often the quantized model's greedy choice is fp32's at the same context
+    (teacher-forced: one divergence does not end the comparison), and how far the logprob of
+    fp32's token moves. Measured: int8 0.972 agree, mean |dlogprob| 0.034; w8a8 0.936, 0.098."""
+    conts = [r.outputs[0].token_ids[:32] for r in reference]
+    seqs = [p + c for p, c in zip(prompts, conts)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def scored(eng: LLM) -> list[tuple[int, float]]:
+        """(rank, logprob) of each continuation token under `eng`"""
+        outs = eng.generate(seqs, score, use_tqdm=False)
+        return [
+            (entry[tok].rank, entry[tok].logprob)
+            for o, p, c in zip(outs, prompts, conts)
+            for tok, entry in zip(c, o.prompt_logprobs[len(p) :])
+        ]
+
+    want = scored(llm)
+    assert all(rank == 1 for rank, _ in want)  # fp32 ranks its own greedy tokens first
+    got = scored(fresh_llm(max_num_seqs=16, quantization=method))
+    agree = sum(rank == 1 for rank, _ in got) / len(got)
+    moved = [abs(g - w) for (_, g), (_, w) in zip(got, want)]
+    assert agree >= min_agree
+    assert sum(moved) / len(moved) <= max_moved

@@ -1,4 +1,5 @@
-"""`specserve bench ...` subcommands: throughput, spec-sweep, golden-curve, host-profile, plot,
+"""`specserve bench ...` subcommands: throughput, spec-sweep, golden-curve, host-profile,
+cpu-profile, plot,
 serve (online).
 
 Heavy imports (torch, transformers, the engine) happen inside run_bench so that building the
@@ -74,6 +75,7 @@ def _add_throughput_parser(sub: Any) -> None:
 
 def _add_subcommands(sub: Any) -> None:
     _add_throughput_parser(sub)
+    from specserve.bench.cpu_profile import add_cpu_profile_parser
     from specserve.bench.golden_curve import add_golden_curve_parser
     from specserve.bench.host_profile import add_host_profile_parser
     from specserve.bench.plot_results import add_plot_parser
@@ -84,6 +86,7 @@ def _add_subcommands(sub: Any) -> None:
     add_structured_parser(sub)
     add_golden_curve_parser(sub)
     add_host_profile_parser(sub)
+    add_cpu_profile_parser(sub)
     add_plot_parser(sub)
     try:
         from specserve.bench.serve import add_serve_bench
@@ -213,6 +216,11 @@ def run_bench(args: argparse.Namespace) -> int:
         run(args)
         if args.json_path:
             print(f"report written to {args.json_path}", file=sys.stderr)
+        return 0
+    if args.bench_command == "cpu-profile":
+        from specserve.bench.cpu_profile import run_cpu_profile
+
+        run_cpu_profile(args)
         return 0
     if args.bench_command == "plot":
         from specserve.bench.plot_results import run_plot

@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="not supported: weights run in --dtype (GGUF files are dequantized on load)",
+        help="CPU only: int8 linear weights per output channel; int8 = weight-only (bf16 "
+        "activations into the GEMM), w8a8 = int8 activations too (default: weights in --dtype)",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"

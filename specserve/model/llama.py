@@ -157,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:  # nn.Linear, or a quantized head (model/quant.py)
+            logits = self.lm_head(hidden).float()
         return logits if self.gather_logits is None else self.gather_logits(logits)
 
     @torch.no_grad()

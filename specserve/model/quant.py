@@ -1,0 +1,84 @@
+"""`quantization=` on the CPU: the model's linear layers (and its lm_head) with int8 weights.
+
+  "int8"  weight-only: int8 weights per output channel, bf16 activations into the GEMM
+  "w8a8"  int8 weights and int8 activations (per row, quantized on the fly), int32 accumulation
+
+Everything else (embedding lookup, norms, attention, KV cache, residual stream, logits) stays in
+the engine's dtype. With tied embeddings the lm_head gets its own int8 copy of the embedding
+matrix; the lookup keeps reading the full-precision rows (one row per token: cheap).
+Kernels and measurements: specserve/ops/int8.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.config import QUANTIZATION_METHODS
+from specserve.ops.int8 import dynamic_int8_linear, quantize_per_row, weight_only_linear
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weight is int8 per output channel (see the module doc)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [N, K] float
+        bias: torch.Tensor | None,
+        method: str,
+    ) -> None:
+        super().__init__()
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {method!r}")
+        self.method = method
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_per_row(weight)
+        self.register_buffer("qweight", q)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N] float32
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        if method == "int8":
+            # the many-row path's GEMM operand: q's integers, exact in bf16
+            self.register_buffer("qweight_bf16", q.to(torch.bfloat16))
+            self.register_buffer("unit", torch.ones(self.out_features, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.method == "int8":
+            y = weight_only_linear(x2, self.qweight, self.qweight_bf16, self.scale, self.unit)
+        else:
+            y = dynamic_int8_linear(x2, self.qweight.t(), self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, method={self.method}"
+
+
+def quantize_model(model: nn.Module, method: str) -> nn.Module:
+    """Swap every nn.Linear of `model` for an Int8Linear, in place, and give a tied model an
+    int8 lm_head (LlamaForCausalLM.compute_logits calls `lm_head` when it is set)."""
+    for mod in list(model.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(mod, child_name, Int8Linear(child.weight, child.bias, method))
+    if getattr(model, "lm_head", "absent") is None:
+        model.lm_head = Int8Linear(model.embed_tokens.weight, None, method)
+    return model
+
+
+def quantize_engine(engine: Any) -> None:
+    """Quantize a freshly built engine's target model (shared with its runner and a self-drafting
+    drafter), and re-measure its verify budget's step-cost curve on the quantized model (not
+    cached: the cache key knows dtypes, not quantization). Called before any request."""
+    method = engine.config.quantization
+    if method is None:
+        return
+    quantize_model(engine.target_model, method)
+    if getattr(engine, "budget", None) is not None:
+        from specserve.speculative.verify_budget import VerifyBudget
+
+        engine.budget = VerifyBudget.for_engine(engine, None)

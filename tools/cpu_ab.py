@@ -1,0 +1,135 @@
+"""CPU engine variants timed against each other, interleaved in one process.
+
+    python tools/cpu_ab.py --variants fp32,int8,w8a8 --repeats 5
+    python tools/cpu_ab.py --variants fp32,fp32@1,int8,int8@1      # @N: N intra-op threads
+
+On a shared machine one run means little: every variant loads once, then each repeat runs all
+of them in a rotated order on the same requests (ShareGPT prompts, as `specserve bench
+throughput`), and the report is the median over repeats of each variant's ratio to the first
+variant in the same repeat. Workloads: batch 1 (requests one at a time: median decode tok/s)
+and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `int8`, `w8a8`
+(quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `@threads`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from typing import Any
+
+
+def parse_variant(v: str) -> dict[str, Any]:
+    name, _, threads = v.partition("@")
+    quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
+    if quant in ("fp32", "bf16"):
+        quant, dtype = "", quant
+    kw: dict[str, Any] = {"dtype": {"": "float32", "fp32": "float32", "bf16": "bfloat16"}[dtype]}
+    if quant in ("int8", "w8a8"):
+        kw["quantization"] = quant
+    elif quant:
+        raise SystemExit(f"unknown variant {v!r}")
+    return {"name": v, "engine": kw, "threads": int(threads) if threads else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="fp32,int8,w8a8")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64, help="requests of the batched workload")
+    p.add_argument("--max-tokens", type=int, default=32, help="batched workload: output tokens")
+    p.add_argument("--batch-1-prompts", type=int, default=2)
+    p.add_argument("--batch-1-tokens", type=int, default=64)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from specserve import LLM
+    from specserve.bench.throughput import (
+        ThroughputSettings,
+        build_requests,
+        run_specserve,
+        warm_up,
+    )
+
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    default_threads = torch.get_num_threads()
+    llms = {}
+    for v in variants:
+        key = json.dumps(v["engine"], sort_keys=True)
+        if key not in llms:
+            llms[key] = LLM(
+                args.model,
+                device="cpu",
+                progress=False,
+                max_num_seqs=max(args.batch, 1),
+                kv_cache_memory_gb=1.0,
+                **v["engine"],
+            )
+        v["llm"] = llms[key]
+    first = variants[0]["llm"]
+    s1 = ThroughputSettings(
+        model=args.model,
+        num_prompts=args.batch_1_prompts,
+        max_tokens=args.batch_1_tokens,
+        ignore_eos=True,
+        batch_1=True,
+    )
+    sn = ThroughputSettings(
+        model=args.model, num_prompts=args.batch, max_tokens=args.max_tokens, ignore_eos=True
+    )
+    vocab = first.engine.model_config.vocab_size
+    reqs1 = build_requests(s1, first.tokenizer, vocab)
+    reqsn = build_requests(sn, first.tokenizer, vocab)
+    for v in variants:
+        warm_up(v["llm"], reqs1)
+    results: dict[str, dict[str, list[float]]] = {
+        v["name"]: {"batch1": [], "batched": []} for v in variants
+    }
+    for r in range(args.repeats):
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
+        for v in order:
+            torch.set_num_threads(v["threads"] or default_threads)
+            try:
+                one = run_specserve(v["llm"], reqs1, s1).median_decode_tok_s
+                many = run_specserve(v["llm"], reqsn, sn).output_tok_s
+            finally:
+                torch.set_num_threads(default_threads)
+            results[v["name"]]["batch1"].append(one)
+            results[v["name"]]["batched"].append(many)
+            print(
+                f"repeat {r} {v['name']:>10}: batch1 {one:7.2f} tok/s, "
+                f"batch{args.batch} {many:7.2f} tok/s",
+                flush=True,
+            )
+            gc.collect()
+    base = variants[0]["name"]
+    report: dict[str, Any] = {"settings": vars(args), "variants": {}}
+    for v in variants:
+        row: dict[str, Any] = {}
+        for w in ("batch1", "batched"):
+            vals, ref = results[v["name"]][w], results[base][w]
+            row[w] = {
+                "median_tok_s": statistics.median(vals),
+                "runs_tok_s": vals,
+                f"median_ratio_vs_{base}": statistics.median(a / b for a, b in zip(vals, ref)),
+            }
+        report["variants"][v["name"]] = row
+        print(
+            f"{v['name']:>10}: batch1 median {row['batch1']['median_tok_s']:7.2f} tok/s "
+            f"(x{row['batch1'][f'median_ratio_vs_{base}']:.2f}), batch{args.batch} median "
+            f"{row['batched']['median_tok_s']:7.2f} tok/s "
+            f"(x{row['batched'][f'median_ratio_vs_{base}']:.2f}) vs {base}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
