@@ -73,7 +73,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 def quantize_engine(engine: Any) -> None:
     """Quantize a freshly built engine's target model (shared with its runner and a self-drafting
     drafter), and re-measure its verify budget's step-cost curve on the quantized model (not
-    cached: the cache key knows dtypes, not quantization). Called before any request."""
+    cached: the cache key knows dtypes, not quantization). LLM(...) and `specserve serve` call
+    it right after building the engine, before any request; inside LLMEngine, right after
+    load_model, it would spare the fp32 calibration."""
     method = engine.config.quantization
     if method is None:
         return
