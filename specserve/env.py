@@ -18,7 +18,7 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
-| SPECSERVE_CPU_THREADS | auto | intra-op threads of a CPU engine: auto = cores - 1 (one left to the host loop, as vLLM's CPU backend), keep = torch's own setting, or a count |
+| SPECSERVE_CPU_THREADS | keep | intra-op threads of a CPU engine: keep = torch's own (one per core), auto = cores - 1 (one left to the host loop: faster where other processes share the cores), or a count |
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Settings:
             fused_verify=_flag(environ, "SPECSERVE_FUSED_VERIFY"),
             tp_timeout=float(environ.get("SPECSERVE_TP_TIMEOUT") or 300),
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
-            cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "auto",
+            cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
         )
 
 
