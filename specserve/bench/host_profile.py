@@ -14,9 +14,9 @@ step from the third with all of them decoding is timed, the one that finishes th
   --overlap on CPU they run in a worker thread and the wait for it costs no CPU), robust to the
   other processes of a shared machine; `host_us`: the same on the wall clock. `mean` covers
   every timed step, the finishing one included; `median` is a steady decode step;
-- phases: the per-step phases below wrapped too; exclusive time per phase (a phase's nested
-  phases are subtracted), so the phases add up to the period. The ledger includes its
-  per-token parts;
+- phases: the per-step phases below wrapped too, on the thread CPU clock; exclusive time per
+  phase (a phase's nested phases are subtracted), so the phases add up to the period. The
+  ledger includes its per-token parts;
 - tokens: those wrapped too (detokenize, outputs), splitting the ledger; each wrapped call
   costs ~0.5 us and they run per token, so this split is inflated and only read as shares.
 
@@ -302,9 +302,10 @@ def _timed_pass(
 
 def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """Three passes: coarse (wall and thread CPU clocks, the device's part only), phases (per
-    step), tokens (the ledger's per-token parts too)."""
+    step, CPU clock: ~1 us per reading, a dozen a step), tokens (the ledger's per-token parts
+    too, wall clock: its readings are cheaper)."""
     wall, cpu = _timed_pass(llm, batch, args, [PhaseClock(), PhaseClock(time.thread_time)], 0)
-    (phases,) = _timed_pass(llm, batch, args, [PhaseClock()], 1)
+    (phases,) = _timed_pass(llm, batch, args, [PhaseClock(time.thread_time)], 1)
     (tokens,) = _timed_pass(llm, batch, args, [PhaseClock()], 2)
 
     def us(steps: list[dict[str, float]], key: str) -> dict[str, float]:
