@@ -272,6 +272,13 @@ class Ledger:
         detok = seq.detokenizer
         if detok is not None and seq.finish_reason is not FinishReason.ERROR:
             out.text += detok.flush(seq.output_token_ids if detok.deferred else None)
+        elif detok is not None and detok.deferred:
+            # text decoded only at the end (no stop strings): the tokens emitted before the
+            # failure still get theirs, as they would have streamed it, unless decoding fails
+            try:
+                out.text += detok.flush(seq.output_token_ids)
+            except Exception:
+                pass
         out.finished = True
         out.finish_reason = seq.finish_reason.value
         out.stop_reason = seq.stop_reason

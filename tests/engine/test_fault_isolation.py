@@ -379,3 +379,25 @@ def test_offline_results_say_why_a_request_failed(sync_llm, monkeypatch):
     outs = sync_llm.generate([[7, 8, 9], [3, 4, 5]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "poisoned" in outs[0].error
     assert outs[1].outputs[0].finish_reason == "length" and outs[1].error is None
+
+
+def test_a_request_failing_midway_keeps_the_text_of_its_tokens(sync_llm, monkeypatch):
+    """generate decodes text once, at the end: a request that fails after emitting tokens
+    still gets their text, as the stream would have given it."""
+    from specserve.runner import step_sampler
+
+    real = step_sampler.build_inputs
+
+    def build(seqs, drafts, device):
+        if any(s.prompt_token_ids[:1] == [7] and s.num_output_tokens >= 3 for s in seqs):
+            raise IndexError("poisoned request")
+        return real(seqs, drafts, device)
+
+    monkeypatch.setattr(step_sampler, "build_inputs", build)
+    # the tiny model's tokens are special ones: kept, so the text is not empty
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, skip_special_tokens=False)
+    outs = sync_llm.generate([[7, 8, 9], [3, 4, 5]], sp, use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "error" and len(failed.token_ids) >= 3
+    assert failed.text == sync_llm.engine.tokenizer.decode(failed.token_ids)
+    assert outs[1].outputs[0].finish_reason == "length"
