@@ -336,7 +336,8 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
     from specserve.bench.common import command_line
     from specserve.bench.report import hardware_info, software_info, timestamp, write_json
 
-    torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # restored below: the caller's process (tests) goes on
     heap_only = keep_freed_memory()
     top = max(args.batch_sizes)
     llm = LLM(
@@ -379,6 +380,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
             emit(f"  ledger, per-token pass: {split}")
     finally:
         gc.unfreeze()  # the caller's process (tests) collects as before
+        torch.set_num_threads(threads)
     report = {
         "benchmark": "host-profile",
         "command": command_line(),
