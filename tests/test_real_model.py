@@ -77,14 +77,14 @@ def test_speculation_is_lossless_on_the_real_model(prompts, reference, cfg, fres
 
 def test_the_shipped_eagle3_head_is_lossless_and_accepted(llm, fresh_llm):
     """method eagle3 with no model on the default model: the head shipped in the package.
-    Greedy outputs equal speculation off on 20 held-out chat prompts x 128 tokens, and the head
+    Greedy outputs equal speculation off on 12 held-out chat prompts x 128 tokens, and the head
     earns its keep (more than one token per verifying step)."""
     from specserve.bench.datasets import load_sharegpt_chat
 
-    chats = [r.prompt_token_ids for r in load_sharegpt_chat(20, llm.tokenizer, seed=5)]
+    chats = [r.prompt_token_ids for r in load_sharegpt_chat(12, llm.tokenizer, seed=5)]
     ref = llm.generate(chats, GREEDY, use_tqdm=False)
     spec = fresh_llm(
-        max_num_seqs=20,
+        max_num_seqs=12,
         speculative_config={
             "method": "eagle3",
             "num_speculative_tokens": 5,
@@ -133,9 +133,9 @@ def test_streamed_text_equals_generated_text_and_usage(llm, prompts, reference):
         assert outs[-1].num_output_tokens == len(ref.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize(
-    ("method", "min_agree", "max_moved"), [("int8", 0.9, 0.1), ("w8a8", 0.85, 0.25)]
-)
+# w8a8 (measured 0.936 agree, 0.098 moved) is left to tests/model/test_quant.py: one more
+# quantized engine of the real model costs CI ~30 s
+@pytest.mark.parametrize(("method", "min_agree", "max_moved"), [("int8", 0.9, 0.1)])
 def test_int8_weights_stay_close_to_fp32(
     llm, prompts, reference, fresh_llm, method, min_agree, max_moved
 ):
