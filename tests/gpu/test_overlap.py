@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from tests.engine.test_deferred_sampling import CHOICES, REGEX, SCHEMA
 
 pytestmark = pytest.mark.gpu
 
@@ -135,17 +136,6 @@ def test_sync_guard_catches_a_sync(cuda: torch.device) -> None:
 
 
 # -- requests that read their output tokens on the host (deferred sampling, engine/launch.py) --
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "s": {"enum": ["x", "y"]},
-    },
-    "required": ["n", "s"],
-    "additionalProperties": False,
-}
-REGEX = "[a-z]{2,5}-[0-9]{2}"
-CHOICES = ["alpha", "beta gamma", "delta"]
 
 
 def _host_token_workload():
