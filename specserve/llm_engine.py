@@ -29,6 +29,7 @@ from specserve.engine.sequence import FinishReason, Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.model.loader import cache_dir, load_model
 from specserve.ops.triton_attention import use_triton
+from specserve.runner.cuda_graph import CudaGraphBackend
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import StepSampler
 from specserve.runner.timeline import StepTimeline
@@ -159,6 +160,12 @@ class LLMEngine:
             capture=not config.enforce_eager,
             progress=progress,
         )
+        if (
+            self.device_drafting
+            and getattr(self.runner, "graphs", None)
+            and not config.enforce_eager
+        ):
+            self.device_drafting.capture(CudaGraphBackend(self.device))
         if use_triton(self.device):
             self.runner.warm_up_eager(min(self.max_num_batched_tokens, self.max_model_len))
         eos = frozenset(

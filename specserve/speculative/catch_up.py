@@ -40,12 +40,13 @@ def pack_catch_up(
     block_size: int,
     trash: int,
     device: torch.device,
+    min_width: int = 0,
 ) -> CatchUp:
     """rows = (tokens, emit_at, positions, row_req, verify_row) per catch-up row. Block tables
-    get columns for every position touched (`top`, the chain's included); past a request's
-    blocks the trash block."""
+    get columns for every position touched (`top`, the chain's included), at least `min_width`;
+    past a request's blocks the trash block."""
     tokens, emit_at, positions, row_req, verify_row = rows
-    width = max(-(-top // block_size), max(len(t) for t in tables))
+    width = max(-(-top // block_size), max(len(t) for t in tables), min_width)
     bt = np.full((len(tables), width), trash, dtype=np.int32)
     for i, t in enumerate(tables):
         bt[i, : len(t)] = t

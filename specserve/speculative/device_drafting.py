@@ -82,7 +82,9 @@ class DeviceDrafting:
         elif spec.method == "eagle3":
             from specserve.speculative.eagle3 import Eagle3Drafter
 
-            self.model_drafter = Eagle3DeviceDrafter(Eagle3Drafter(spec, engine), pool)
+            self.model_drafter = Eagle3DeviceDrafter(
+                Eagle3Drafter(spec, engine), pool, max_model_len
+            )
         elif spec.method == "ngram":
             self.ngram = NgramDeviceDrafter(
                 pool, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len
@@ -90,6 +92,11 @@ class DeviceDrafting:
             self.acceptance = AcceptanceEstimator()
         else:
             self.golden = GoldenDeviceDrafter(pool, spec.acceptance_rate, vocab_size, seed)
+
+    def capture(self, backend) -> None:
+        """CUDA graphs of the drafter's fixed-shape work (EAGLE-3's chained steps)."""
+        if isinstance(self.model_drafter, Eagle3DeviceDrafter):
+            self.model_drafter.capture(backend)
 
     # -- host ---------------------------------------------------------------------------------
     def admit(self, seqs: list[Sequence]) -> list[Admission]:

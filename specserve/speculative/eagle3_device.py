@@ -13,12 +13,11 @@ taken from the lengths the step just wrote. The k - 1 chained steps then run one
 request at positions len - 1, len, ... (the scheduler grows each request's blocks k - 1
 positions past its rows for them).
 
-Eager (not in the CUDA graph yet): a few small launches per draft position after the graph.
+The catch-up step runs eagerly (its rows vary); the chained steps replay CUDA graphs
+(eagle3_chain.py).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -29,18 +28,13 @@ from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.catch_up import (
-    CatchUp,
-    ChainRows,
-    draft_sampling,
-    kv_slots,
-    pack_catch_up,
-)
+from specserve.speculative.catch_up import CatchUp, draft_sampling, kv_slots, pack_catch_up
 from specserve.speculative.eagle3 import Eagle3Drafter
+from specserve.speculative.eagle3_chain import Eagle3Chain
 
 
 class Eagle3DeviceDrafter:
-    def __init__(self, drafter: Eagle3Drafter, pool: DraftSlotPool) -> None:
+    def __init__(self, drafter: Eagle3Drafter, pool: DraftSlotPool, max_model_len: int) -> None:
         assert pool.q is not None, "EAGLE-3 drafts carry q: the pool must store it"
         self.inner, self.pool = drafter, pool
         self.head = drafter.head
@@ -56,6 +50,25 @@ class Eagle3DeviceDrafter:
         drafter.runner.kv_caches[0] = self.cache
         self.device = pool.device
         self._caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
+        # block-table columns of every position a step touches (chain included), + the trash one
+        self.width = -(-(max_model_len + pool.k + 1) // self.block_size) + 1
+        self.chain = Eagle3Chain(
+            self._step,
+            self._confidence,
+            pool,
+            self.head.config.hidden_size,
+            k0.k.dtype,
+            self.width,
+            self.block_size,
+            self.trash,
+            padded=self.device.type == "cuda",
+        )
+
+    def capture(self, backend) -> None:
+        """CUDA graphs of the chained steps (after the target's: the head's rotary table is
+        built for the chain's bound first)."""
+        self.head.rotary.table(self.chain.max_context_len, self.device, self.cache.k.dtype)
+        self.chain.capture(backend, lambda: self.head.rotary._table)
 
     def release(self, seq: Sequence) -> None:
         self._caught_up.pop(seq.request_id, None)
@@ -98,6 +111,7 @@ class Eagle3DeviceDrafter:
             self.block_size,
             self.trash,
             self.device,
+            self.width,
         )
 
     # -- device -------------------------------------------------------------------------------
@@ -109,7 +123,8 @@ class Eagle3DeviceDrafter:
         ctx: ForwardContext,
         rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One head step over the rows; (prenorm, logits, confidence logit) of `rows`."""
+        """One head step over the rows; (prenorm, logits over the target's vocabulary (-inf off
+        the draft vocabulary), confidence logit) of `rows`."""
         cache, scale = self.cache, self.head.midlayer.self_attn.scale
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,7 +133,15 @@ class Eagle3DeviceDrafter:
 
         out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len)
         conf = out.confidence[rows] if out.confidence is not None else None
-        return out.prenorm[rows], out.logits[rows], conf
+        return out.prenorm[rows], self.head.target_logits(out.logits[rows]), conf
+
+    def _confidence(
+        self, conf_logit: torch.Tensor | None, q: torch.Tensor, tok: torch.Tensor, j: int
+    ) -> torch.Tensor:  # [R] float32
+        if conf_logit is None:  # a head without a confidence head: the drafted token's q
+            return q.gather(1, tok.unsqueeze(1)).squeeze(1).float()
+        temps = self.inner.temperatures
+        return torch.sigmoid(conf_logit / temps[min(j, len(temps) - 1)]).float()
 
     @torch.inference_mode()
     def draft(
@@ -159,27 +182,8 @@ class Eagle3DeviceDrafter:
         prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
         # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
         t = draft_sampling(plan.t, layout.ftp, num_output)
-        chain = ChainRows(lay, seq_len.shape[0], seq_len.device, self.block_size)
-        drafts, confs = [], []
-        base = plan.slots * k
-        tok = tokens
-        for j in range(k):
-            if j > 0:  # chained: the previous draft at the next position
-                pos = seq_len - 2 + j
-                prenorm, logits, conf_logit = self._step(
-                    tok, prenorm, pos, chain.context(pos), chain.reqs
-                )
-            tj = dataclasses.replace(t, counter=num_output + j)
-            q = target_probs(self.head.target_logits(logits), tj)  # [R, V]
-            tok = sample(q, tj, DRAFT_SALT)
-            temps = self.inner.temperatures
-            c = (
-                torch.sigmoid(conf_logit / temps[min(j, len(temps) - 1)])
-                if conf_logit is not None
-                else q.gather(1, tok.unsqueeze(1)).squeeze(1)
-            )
-            pool.q.index_copy_(0, base + j, q)
-            drafts.append(tok)
-            confs.append(c.float())
-        pool.draft_ids.index_copy_(0, plan.slots, torch.stack(drafts, 1))
-        pool.draft_conf.index_copy_(0, plan.slots, torch.stack(confs, 1))
+        q = target_probs(logits, t)  # [R, V]
+        tok = sample(q, t, DRAFT_SALT)
+        pool.q.index_copy_(0, plan.slots * k, q)
+        conf = self._confidence(conf_logit, q, tok, 0)
+        self.chain.run(tok, conf, prenorm, seq_len, num_output, plan.slots, lay.block_tables, t)

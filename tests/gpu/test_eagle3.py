@@ -104,6 +104,31 @@ def test_greedy_device_eagle3_with_overlap_on_cuda(target, prompts, ref, tmp_pat
     assert eng.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_eagle3_chain_graphs_draft_as_eager(target, prompts, ref, tmp_path, temperature):
+    """The chained head steps replay CUDA graphs (eagle3_chain.py) and draft, bit for bit, what
+    the same padded chain run eagerly drafts: same outputs, same accepted drafts."""
+    ids = sorted(set(range(100, 140)) | {t for r in ref for t in r[:2]})
+    head = write_tiny_head(tmp_path / "random", target[1], ids, LAYERS, confidence=True)
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        llm = _llm(
+            target[0],
+            _spec(head, k=4, verify_budget="off"),
+            device_drafts=True,
+            enforce_eager=eager,
+        )
+        outs = _ids(llm.generate(prompts, sp, use_tqdm=False))
+        chain = llm.engine.device_drafting.model_drafter.chain
+        assert (chain.num_replays > 0) == (not eager)
+        spec = llm.engine.ledger.spec
+        runs[eager] = (outs, spec.num_draft_tokens, spec.num_accepted_tokens)
+    assert runs[False] == runs[True]
+    if temperature == 0.0:
+        assert runs[False][0] == ref
+
+
 def test_no_host_sync_inside_a_device_eagle3_step(target, prompts, ref, tmp_path):
     head = _copy_head(tmp_path / "copy", target, ref, device="cuda")
     llm = _llm(target[0], _spec(head, k=3), device_drafts=True)

@@ -23,6 +23,7 @@ from specserve.ops.sampling import SamplingTensors, target_probs
 from specserve.sample.layout import build_layout
 from specserve.sample.verify import verify
 from specserve.sampling_params import InvalidRequestError
+from specserve.speculative.eagle3_chain import _SHAPES, Eagle3Chain, chain_buckets
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.harness import PagedRunner
 from tests.model.test_eagle3_format import head_config, write_head, write_tiny_head
@@ -395,3 +396,61 @@ def test_eagle3_without_a_model_names_the_field(tiny_llama_dir):
         '{"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}'
     )
     assert cfg.method == "eagle3" and cfg.model == "/h"
+
+
+class _FakeGraphs:
+    """Warms up and "captures" like CudaGraphBackend; a replay reruns the body, counted."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+        self.replays = 0
+
+    def capture(self, fn):
+        fn()
+        self.captured += 1
+
+        def replay() -> None:
+            self.replays += 1
+            fn()
+
+        return replay
+
+
+def _padded(llm) -> _FakeGraphs:
+    md = llm.engine.device_drafting.model_drafter
+    old = md.chain
+    md.chain = Eagle3Chain(
+        md._step, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
+        md.block_size, md.trash, padded=True,
+    )  # fmt: skip
+    fake = _FakeGraphs()
+    md.chain.capture(fake, lambda: md.head.rotary._table)
+    return fake
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
+    target,
+    prompts,
+    ref,
+    heads,
+    temperature,
+):
+    spec = _spec(heads["random"], k=3, verify_budget="off")
+    kw = dict(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
+    eager, graphs = make_llm(**kw), make_llm(**kw)
+    fake = _padded(graphs)
+    assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
+    sp = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
+    a = eager.generate(prompts, sp, use_tqdm=False)
+    b = graphs.generate(prompts, sp, use_tqdm=False)
+    assert fake.replays > 0
+    assert _ids(a) == _ids(b)
+    if temperature == 0.0:
+        assert _ids(b) == ref
+    sa, sb = eager.engine.ledger.spec, graphs.engine.ledger.spec
+    assert (sa.num_draft_tokens, sa.num_accepted_tokens) == (
+        sb.num_draft_tokens,
+        sb.num_accepted_tokens,
+    )
+    assert sb.num_draft_tokens > 0
