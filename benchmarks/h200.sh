@@ -6,7 +6,7 @@
 #   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
 #   path is gone in the next call unless carried again; /tmp stays)
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   eagle | structured (default: decode)
+#   eagle | steps | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -58,6 +58,9 @@ case ${1:-decode} in
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
+  steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5 (~3 min)
+    python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
+    python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
   structured)  # grammar-mask cost at 64 requests
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     $S bench structured --model dummy:smollm2-135m --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 4 --json "$OUT/structured_smollm2.json" ;;

@@ -12,7 +12,7 @@ import torch
 
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import SamplingTensors
-from specserve.ops.transfer import h2d
+from specserve.ops.transfer import h2d_packed
 
 
 class CatchUp(NamedTuple):
@@ -53,19 +53,22 @@ def pack_catch_up(
     cu = np.zeros(len(qlens) + 1, dtype=np.int32)
     np.cumsum(qlens, out=cu[1:])
 
-    def i64(x: list) -> torch.Tensor:
-        return h2d(x, torch.int64, device)
-
+    i64, i32 = torch.int64, torch.int32
     return CatchUp(
-        i64(tokens),
-        i64(emit_at),
-        i64(positions),
-        i64(row_req),
-        h2d(verify_row, torch.bool, device),
-        h2d(qlens, torch.int32, device),
-        h2d(cu, torch.int32, device),
-        i64(prefix),
-        h2d(bt, torch.int32, device),
+        *h2d_packed(
+            [
+                (tokens, i64),
+                (emit_at, i64),
+                (positions, i64),
+                (row_req, i64),
+                (verify_row, torch.bool),
+                (qlens, i32),
+                (cu, i32),
+                (prefix, i64),
+                (bt, i32),
+            ],
+            device,
+        ),
         max(qlens),
         top,
     )
