@@ -80,20 +80,37 @@ inline void to_f32(const uint16_t* src, float* dst, int d) {
     }
 }
 
-template <typename KV>
+inline float load_f32(float x) { return x; }
+inline float load_f32(uint16_t x) {
+    const uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Query vectors at or above this count score a block against a transposed copy of its keys
+// (K^T [D][BS]: one FMA per d gives BS scores, no horizontal sums), which costs one transpose
+// per block; fewer vectors (decode: G of them) take one dot product per key instead.
+constexpr int kTransposeMin = 6;
+
+// DT / BST: head_dim / block_size fixed at compile time for the common shapes (full unrolling,
+// the accumulator stays in registers); 0 = read from Args.
+template <typename KV, int DT, int BST>
 void run_item(const Args& a, int req, int row0, int row1, int kvh, Scratch& s) {
-    const int g_per = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+    const int d = DT ? DT : a.head_dim, bs = BST ? BST : a.block_size;
+    const int g_per = a.heads / a.kv_heads;
     const int nrows = row1 - row0, nq = nrows * g_per;
     const int ql = a.q_lens[req], cl = a.ctx_lens[req], start = a.starts[req];
     const int first_pos = cl - ql + row0;  // KV position of the item's first row
     const int64_t tok_stride = static_cast<int64_t>(a.kv_heads) * d;
     const int64_t blk_stride = tok_stride * bs;
+    const bool transpose = nq >= kTransposeMin;
 
     s.q.resize(static_cast<size_t>(nq) * d);
     s.acc.assign(static_cast<size_t>(nq) * d, 0.0f);
     s.m.assign(nq, -FLT_MAX);
     s.l.assign(nq, 0.0f);
-    s.scores.resize(bs);
+    s.scores.resize(static_cast<size_t>(nq) * bs);
     s.kf.resize(static_cast<size_t>(bs) * d);
     s.vf.resize(static_cast<size_t>(bs) * d);
     for (int r = 0; r < nrows; ++r) {
@@ -110,64 +127,122 @@ void run_item(const Args& a, int req, int row0, int row1, int kvh, Scratch& s) {
     const int32_t* table = a.block_tables + req * a.bt_stride;
     const KV* kbase = static_cast<const KV*>(a.k) + kvh * d;
     const KV* vbase = static_cast<const KV*>(a.v) + kvh * d;
+    float* kt = s.kf.data();  // transposed path: K^T [d][bs]
     for (int b0 = klo / bs * bs; b0 < khi; b0 += bs) {
         const int64_t blk = table[b0 / bs];
         const int t_lo = std::max(klo, b0), t_hi = std::min(khi, b0 + bs);
-        // K/V rows of this block as fp32, row t at kr + (t - b0) * kstride
-        const float* kr;
+        const KV* kb = kbase + blk * blk_stride;
+        const KV* vb = vbase + blk * blk_stride;
+        // V rows of this block as fp32, row t at vr + (t - b0) * vstride
         const float* vr;
-        int64_t kstride;
+        int64_t vstride;
         if constexpr (sizeof(KV) == sizeof(float)) {
-            kr = reinterpret_cast<const float*>(kbase + blk * blk_stride);
-            vr = reinterpret_cast<const float*>(vbase + blk * blk_stride);
+            vr = reinterpret_cast<const float*>(vb);
+            vstride = tok_stride;
+        } else {
+            for (int t = t_lo; t < t_hi; ++t)
+                to_f32(vb + (t - b0) * tok_stride, s.vf.data() + static_cast<size_t>(t - b0) * d, d);
+            vr = s.vf.data();
+            vstride = d;
+        }
+        const float* kr = nullptr;  // direct path: K rows as fp32, stride kstride
+        int64_t kstride = d;
+        if (transpose) {
+            // keys outside [t_lo, t_hi) may be unwritten memory (NaN): zeros in their place
+            if (t_lo > b0 || t_hi < b0 + bs) std::fill(kt, kt + static_cast<size_t>(bs) * d, 0.0f);
+            for (int t = t_lo; t < t_hi; ++t) {
+                const KV* row = kb + (t - b0) * tok_stride;
+                for (int i = 0; i < d; ++i) kt[i * bs + (t - b0)] = load_f32(row[i]);
+            }
+        } else if constexpr (sizeof(KV) == sizeof(float)) {
+            kr = reinterpret_cast<const float*>(kb);
             kstride = tok_stride;
         } else {
-            for (int t = t_lo; t < t_hi; ++t) {
-                const int64_t off = blk * blk_stride + (t - b0) * tok_stride;
-                to_f32(kbase + off, s.kf.data() + static_cast<size_t>(t - b0) * d, d);
-                to_f32(vbase + off, s.vf.data() + static_cast<size_t>(t - b0) * d, d);
-            }
+            for (int t = t_lo; t < t_hi; ++t)
+                to_f32(kb + (t - b0) * tok_stride, s.kf.data() + static_cast<size_t>(t - b0) * d, d);
             kr = s.kf.data();
-            vr = s.vf.data();
-            kstride = d;
+        }
+        // scores of every query vector against the block's keys: sc[n * bs + (t - b0)]
+        float* sc = s.scores.data();
+        if (transpose) {
+            // four vectors at a time: four independent FMA chains sharing each K^T row load
+            int n = 0;
+            for (; n + 4 <= nq; n += 4) {
+                float acc4[4][BST ? BST : 16];
+                if (BST) {
+                    for (int j = 0; j < 4; ++j)
+                        for (int t = 0; t < bs; ++t) acc4[j][t] = 0.0f;
+                    const float* q0 = s.q.data() + static_cast<size_t>(n) * d;
+                    for (int i = 0; i < d; ++i) {
+                        const float* col = kt + i * bs;
+                        for (int j = 0; j < 4; ++j) {
+                            const float qi = q0[j * d + i];
+#pragma omp simd
+                            for (int t = 0; t < bs; ++t) acc4[j][t] += qi * col[t];
+                        }
+                    }
+                    for (int j = 0; j < 4; ++j)
+                        std::memcpy(sc + static_cast<size_t>(n + j) * bs, acc4[j], bs * sizeof(float));
+                } else {
+                    break;
+                }
+            }
+            for (; n < nq; ++n) {
+                float* out = sc + static_cast<size_t>(n) * bs;
+                const float* qv = s.q.data() + static_cast<size_t>(n) * d;
+                for (int t = 0; t < bs; ++t) out[t] = 0.0f;
+                for (int i = 0; i < d; ++i) {
+                    const float qi = qv[i];
+                    const float* col = kt + i * bs;
+#pragma omp simd
+                    for (int t = 0; t < bs; ++t) out[t] += qi * col[t];
+                }
+            }
+        } else {
+            for (int t = t_lo; t < t_hi; ++t) {
+                const float* kv = kr + (t - b0) * kstride;
+                for (int n = 0; n < nq; ++n) {
+                    const float* qv = s.q.data() + static_cast<size_t>(n) * d;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int i = 0; i < d; ++i) dot += qv[i] * kv[i];
+                    sc[static_cast<size_t>(n) * bs + (t - b0)] = dot;
+                }
+            }
         }
         for (int r = 0; r < nrows; ++r) {
             const int p = first_pos + r;
             const int rlo = a.window ? std::max(0, p - a.window + 1) : 0;
             const int lo = std::max(t_lo, rlo), hi = std::min(t_hi, p + 1);
             if (lo >= hi) continue;
+            const int cnt = hi - lo;
             for (int g = 0; g < g_per; ++g) {
                 const int n = r * g_per + g;
-                const float* qv = s.q.data() + static_cast<size_t>(n) * d;
-                float* sc = s.scores.data();
+                float* w = sc + static_cast<size_t>(n) * bs + (lo - b0);  // [cnt]
                 float mx = s.m[n];
-                for (int t = lo; t < hi; ++t) {
-                    const float* kv = kr + (t - b0) * kstride;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int i = 0; i < d; ++i) dot += qv[i] * kv[i];
-                    sc[t - lo] = dot;
-                    mx = std::max(mx, dot);
-                }
+#pragma omp simd reduction(max : mx)
+                for (int t = 0; t < cnt; ++t) mx = std::max(mx, w[t]);
                 const float corr = exp_nonpos(s.m[n] - mx);
                 float sum = 0.0f;
-                const int cnt = hi - lo;
 #pragma omp simd reduction(+ : sum)
                 for (int t = 0; t < cnt; ++t) {
-                    sc[t] = exp_nonpos(sc[t] - mx);
-                    sum += sc[t];
+                    w[t] = exp_nonpos(w[t] - mx);
+                    sum += w[t];
                 }
                 s.l[n] = s.l[n] * corr + sum;
                 s.m[n] = mx;
-                float* acc = s.acc.data() + static_cast<size_t>(n) * d;
+                float* acc_mem = s.acc.data() + static_cast<size_t>(n) * d;
+                float acc[DT ? DT : 1];  // registers when d is known
+                float* ac = DT ? acc : acc_mem;
 #pragma omp simd
-                for (int i = 0; i < d; ++i) acc[i] *= corr;
+                for (int i = 0; i < d; ++i) ac[i] = acc_mem[i] * corr;
                 for (int t = 0; t < cnt; ++t) {
-                    const float w = sc[t];
-                    const float* vv = vr + (lo + t - b0) * kstride;
+                    const float wt = w[t];
+                    const float* vv = vr + (lo + t - b0) * vstride;
 #pragma omp simd
-                    for (int i = 0; i < d; ++i) acc[i] += w * vv[i];
+                    for (int i = 0; i < d; ++i) ac[i] += wt * vv[i];
                 }
+                if (DT) std::memcpy(acc_mem, ac, d * sizeof(float));
             }
         }
     }
@@ -216,7 +291,13 @@ void run(const Args& a) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const Chunk& c = chunks[it / a.kv_heads];
-            run_item<KV>(a, c.req, c.row0, c.row1, static_cast<int>(it % a.kv_heads), s);
+            const int kvh = static_cast<int>(it % a.kv_heads);
+            if (a.head_dim == 64 && a.block_size == 16)
+                run_item<KV, 64, 16>(a, c.req, c.row0, c.row1, kvh, s);
+            else if (a.head_dim == 128 && a.block_size == 16)
+                run_item<KV, 128, 16>(a, c.req, c.row0, c.row1, kvh, s);
+            else
+                run_item<KV, 0, 0>(a, c.req, c.row0, c.row1, kvh, s);
         }
     }
 }
