@@ -18,6 +18,7 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
+| SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |
 | SPECSERVE_CPU_THREADS | keep | intra-op threads of a CPU engine: keep = torch's own (one per core), auto = cores - 1 (one left to the host loop: faster where other processes share the cores), or a count |
 """
 
@@ -35,6 +36,13 @@ def _flag(environ: Mapping[str, str], name: str) -> bool:
     return environ.get(name, "1") != "0"
 
 
+def _choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    value = environ.get(name) or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 @dataclass
 class Settings:
     cache_dir: Path
@@ -47,6 +55,7 @@ class Settings:
     tp_timeout: float
     device_drafts: bool
     cpu_threads: str  # "auto" | "keep" | a count (engine/cpu_threads.py)
+    cpu_attention: str  # "auto" | "kernel" | "torch" (ops/cpu_attention.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
@@ -62,6 +71,7 @@ class Settings:
             tp_timeout=float(environ.get("SPECSERVE_TP_TIMEOUT") or 300),
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
             cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
+            cpu_attention=_choice(environ, "SPECSERVE_CPU_ATTENTION", ("auto", "kernel", "torch")),
         )
 
 

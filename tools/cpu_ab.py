@@ -8,7 +8,11 @@ of them in a rotated order on the same requests (ShareGPT prompts, as `specserve
 throughput`), and the report is the median over repeats of each variant's ratio to the first
 variant in the same repeat. Workloads: batch 1 (requests one at a time: median decode tok/s)
 and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `int8`, `w8a8`
-(quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `@threads`.
+(quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `:kernel` / `:torch` (the CPU
+attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
+optionally `@threads`:
+
+    python tools/cpu_ab.py --variants fp32:torch,fp32:kernel --repeats 5
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any
 
 def parse_variant(v: str) -> dict[str, Any]:
     name, _, threads = v.partition("@")
+    name, _, attention = name.partition(":")
+    if attention not in ("", "kernel", "torch"):
+        raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
     quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
     if quant in ("fp32", "bf16"):
         quant, dtype = "", quant
@@ -31,7 +38,12 @@ def parse_variant(v: str) -> dict[str, Any]:
         kw["quantization"] = quant
     elif quant:
         raise SystemExit(f"unknown variant {v!r}")
-    return {"name": v, "engine": kw, "threads": int(threads) if threads else None}
+    return {
+        "name": v,
+        "engine": kw,
+        "threads": int(threads) if threads else None,
+        "attention": attention or None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
+    import contextlib
+
     import torch
 
-    from specserve import LLM
+    from specserve import LLM, env
+    from specserve.bench.report import median_interval
     from specserve.bench.throughput import (
         ThroughputSettings,
         build_requests,
@@ -94,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             torch.set_num_threads(v["threads"] or default_threads)
-            try:
-                one = run_specserve(v["llm"], reqs1, s1).median_decode_tok_s
-                many = run_specserve(v["llm"], reqsn, sn).output_tok_s
-            finally:
-                torch.set_num_threads(default_threads)
+            path = v["attention"]
+            with env.override(cpu_attention=path) if path else contextlib.nullcontext():
+                try:
+                    one = run_specserve(v["llm"], reqs1, s1).median_decode_tok_s
+                    many = run_specserve(v["llm"], reqsn, sn).output_tok_s
+                finally:
+                    torch.set_num_threads(default_threads)
             results[v["name"]]["batch1"].append(one)
             results[v["name"]]["batched"].append(many)
             print(
@@ -113,17 +130,23 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {}
         for w in ("batch1", "batched"):
             vals, ref = results[v["name"]][w], results[base][w]
+            med, lo, hi = median_interval([a / b for a, b in zip(vals, ref)])
             row[w] = {
                 "median_tok_s": statistics.median(vals),
                 "runs_tok_s": vals,
-                f"median_ratio_vs_{base}": statistics.median(a / b for a, b in zip(vals, ref)),
+                f"median_ratio_vs_{base}": med,
+                "ratio_interval_90": [lo, hi],
             }
         report["variants"][v["name"]] = row
         print(
             f"{v['name']:>10}: batch1 median {row['batch1']['median_tok_s']:7.2f} tok/s "
-            f"(x{row['batch1'][f'median_ratio_vs_{base}']:.2f}), batch{args.batch} median "
+            f"(x{row['batch1'][f'median_ratio_vs_{base}']:.2f} "
+            f"[{row['batch1']['ratio_interval_90'][0]:.2f}, "
+            f"{row['batch1']['ratio_interval_90'][1]:.2f}]), batch{args.batch} median "
             f"{row['batched']['median_tok_s']:7.2f} tok/s "
-            f"(x{row['batched'][f'median_ratio_vs_{base}']:.2f}) vs {base}"
+            f"(x{row['batched'][f'median_ratio_vs_{base}']:.2f} "
+            f"[{row['batched']['ratio_interval_90'][0]:.2f}, "
+            f"{row['batched']['ratio_interval_90'][1]:.2f}]) vs {base}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -5,7 +5,10 @@ request i is KV position context_lens[i] - query_lens[i] + j, and sees positions
 a sliding window W > 0 only the W newest of them (p - W < key <= p, HF's mask). Keys older than
 every row's window are never gathered, so their blocks may hold anything (freed and reused).
 
-Strategy, chosen for a small CPU where every op costs host time:
+On the CPU the compiled kernel of cpu_attention.py serves every call it supports (fp32 / bf16 KV)
+and reads the cache in place; the torch path below is its fallback and the test oracle.
+
+Torch strategy, chosen for a small CPU where every op costs host time:
   * requests with few rows (decode: 1, verify: 1 + drafts) go through ONE padded gather + SDPA;
   * requests with long rows (prefill chunks) run one SDPA each, padding them would waste work;
   * the gather indices and masks depend only on the context and the window, so they are built
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specserve.ops import cpu_attention
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.triton_attention import paged_attention_triton, use_triton, write_kv_triton
 
@@ -321,6 +325,21 @@ def paged_attention(
     """
     if use_triton(q.device) and q.shape[-1] >= 16:  # tl.dot needs K >= 16
         return paged_attention_triton(q, cache, ctx, scale, window=window)
+    if cpu_attention.supports(q, cache):
+        lib = cpu_attention.kernel()
+        if lib is not None:
+            return cpu_attention.paged_attention_cpu(lib, q, cache, ctx, scale, window)
+    return paged_attention_torch(q, cache, ctx, scale, window)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, H, D]
+    cache: KVCache,
+    ctx: ForwardContext,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:  # [T, H, D]
+    """paged_attention by gathering K/V and running SDPA (any device, any KV dtype)."""
     t, h, d = q.shape
     hkv = cache.k.shape[2]
     plan = _get_plan(ctx, cache.block_size, window, q.device)

@@ -8,9 +8,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from specserve import env
 from specserve.ops import attention as attn
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def _cpu_path(request):
+    """Every test here runs on both CPU paths: the compiled kernel and the torch fallback."""
+    with env.override(cpu_attention=request.param):
+        yield
 
 
 @dataclass

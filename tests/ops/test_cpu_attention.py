@@ -1,0 +1,149 @@
+"""The compiled CPU attention kernel (specserve.ops.cpu_attention) against the torch path and a
+dense float64 reference, its fallback when it cannot be built, and the engine's greedy outputs
+through it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specserve import LLM, SamplingParams, env
+from specserve.ops import cpu_attention
+from specserve.ops.attention import paged_attention, paged_attention_torch
+from tests.ops.test_attention import _dense_reference, _setup
+
+
+@pytest.fixture(scope="module")
+def lib():
+    with env.override(cpu_attention="kernel"):
+        return cpu_attention.kernel()  # built once (cached under $SPECSERVE_CACHE/kernels)
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict:
+    """A batch of prefill chunks, decode rows and verify rows, in any order."""
+    n = draw(st.integers(1, 6))
+    q_lens, ctx_lens = [], []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["decode", "verify", "prefill"]))
+        q = {"decode": 1, "verify": draw(st.integers(2, 8)), "prefill": draw(st.integers(9, 40))}
+        q_lens.append(q[kind])
+        ctx_lens.append(q[kind] + draw(st.integers(0, 70)))
+    heads, kv_heads = draw(st.sampled_from([(6, 2), (4, 4), (8, 1), (9, 3)]))
+    return {
+        "q_lens": q_lens,
+        "ctx_lens": ctx_lens,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([8, 64])),
+        "block_size": draw(st.sampled_from([4, 16])),
+        "pad_rows": draw(st.integers(0, 3)),
+        "window": draw(st.sampled_from([0, 1, 5, 33])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(), bf16=st.booleans())
+def test_kernel_matches_reference_and_torch_path(lib, layout: dict, bf16: bool) -> None:
+    window = layout.pop("window")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    s = _setup(**layout, dtype=dtype)
+    q_lens, ctx_lens = layout["q_lens"], layout["ctx_lens"]
+    # keys older than every row's window may live in freed blocks: poison them
+    bs = s.cache.block_size
+    for i, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
+        for p in range(max(0, c - ql - window + 1) if window else 0):
+            blk = int(s.ctx.block_tables[i, p // bs])
+            s.cache.k[blk, p % bs] = float("nan")
+            s.cache.v[blk, p % bs] = float("nan")
+    # the engine's q is a strided view of the qkv projection: so is this one
+    t, h, d = s.q.shape
+    qkv = torch.randn(t, h + 4, d).to(dtype)
+    qkv[:, :h] = s.q
+    q = qkv[:, :h]
+
+    out = cpu_attention.paged_attention_cpu(lib, q, s.cache, s.ctx, 0.3, window)
+    assert out.dtype == dtype and out.shape == (t, h, d)
+    ks = [k.to(dtype) for k in s.ks]
+    vs = [v.to(dtype) for v in s.vs]
+    ref = _dense_reference(s.q, ks, vs, q_lens, ctx_lens, 0.3, window)
+    torch_path = paged_attention_torch(q, s.cache, s.ctx, 0.3, window)
+    if bf16:  # one bf16 rounding of the output
+        torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, torch_path, atol=1e-5, rtol=1e-5)
+    assert (out[sum(q_lens) :] == 0).all()  # padding rows
+    # two threads split the work differently: the same numbers
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        again = cpu_attention.paged_attention_cpu(lib, q, s.cache, s.ctx, 0.3, window)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(again, out)
+
+
+def test_dispatch_follows_the_switch(lib) -> None:
+    s = _setup([1, 5, 20], [30, 9, 20], 6, 2, pad_rows=2)
+    with env.override(cpu_attention="torch"):
+        assert cpu_attention.kernel() is None
+        assert torch.equal(
+            paged_attention(s.q, s.cache, s.ctx, 0.5),
+            paged_attention_torch(s.q, s.cache, s.ctx, 0.5),
+        )
+    with env.override(cpu_attention="kernel"):
+        want = cpu_attention.paged_attention_cpu(lib, s.q, s.cache, s.ctx, 0.5)
+        assert torch.equal(paged_attention(s.q, s.cache, s.ctx, 0.5), want)
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    s = _setup([1, 5], [30, 9], 6, 2)
+    with env.override(cpu_attention="auto"), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            out = paged_attention(s.q, s.cache, s.ctx, 0.5)
+            assert torch.equal(out, paged_attention_torch(s.q, s.cache, s.ctx, 0.5))
+    warnings = [r for r in caplog.records if r.name == cpu_attention.__name__]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    monkeypatch.setattr(cpu_attention, "_tried", False)
+    with env.override(cpu_attention="kernel"), pytest.raises(RuntimeError) as e:
+        cpu_attention.kernel()
+    assert "SPECSERVE_CPU_ATTENTION=kernel" in str(e.value)
+
+
+def test_bad_switch_value_is_named() -> None:
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_ATTENTION"):
+        env.Settings.from_environ({"SPECSERVE_CPU_ATTENTION": "fast"})
+
+
+def test_engine_greedy_outputs_equal_the_torch_path(lib, tiny_llama_dir: Path) -> None:
+    """Chunked prefill, decode and n-gram verify rows through the whole engine."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() * 2 for n in (23, 5, 11)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(
+        str(tiny_llama_dir),
+        device="cpu",
+        dtype="float32",
+        progress=False,
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    outs = {}
+    for mode in ("torch", "kernel"):  # the switch is read at every call: one engine serves both
+        with env.override(cpu_attention=mode):
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            outs[mode] = [o.outputs[0].token_ids for o in res]
+    assert outs["kernel"] == outs["torch"]
+    assert all(len(o) == 16 for o in outs["kernel"])
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0  # verify rows were there
