@@ -183,8 +183,9 @@ def _verify_kernel(
 
 def fusable(t: SamplingTensors, draft_probs: torch.Tensor | None) -> bool:
     """True when the fused kernel implements this step: no draft-model q (one-hot drafts or
-    none) and no top-k / top-p / min-p row. Reads only host flags: no sync."""
-    return draft_probs is None and not (t.any_top_k or t.any_top_p or t.any_min_p)
+    none) or only greedy rows (their p is one-hot: a draft is accepted iff it is the argmax,
+    whatever its q), and no top-k / top-p / min-p row. Reads only host flags: no sync."""
+    return (draft_probs is None or t.all_greedy) and not (t.any_top_k or t.any_top_p or t.any_min_p)
 
 
 def _pow2(n: int) -> int:

@@ -177,6 +177,26 @@ def test_all_greedy_is_identical(device, vocab, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vocab", _vocabs())
+def test_greedy_rows_verify_a_draft_q_as_the_reference(device, vocab):
+    """All-greedy steps with a drafter's q (EAGLE-3, draft model) take the fused kernel: a
+    greedy row accepts a draft iff it is the argmax and resamples the argmax, whatever q."""
+    g = _gen(vocab + 7)
+    seqlens = _seqlens(g, _max_reqs(), 5)
+    total = sum(seqlens)
+    logits = _logits(g, total, vocab).to(device)
+    t = _tensors(g, seqlens, [0.0] * len(seqlens), device)
+    drafts = _drafts(g, logits, t, seqlens, None)
+    q = torch.softmax(torch.randn(total, vocab, generator=g), -1).to(device)
+    layout = _layout(seqlens, device)
+    assert _fused().fusable(t, q)
+    _assert_same(
+        _fused().verify_triton(logits, drafts, t, layout),
+        verify_reference(logits, drafts, q, t, layout),
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [1000, 4099])
 def test_greedy_ties_go_to_the_lowest_index(device, vocab):
     """Four distinct logit values: the maximum repeats within and across chunks."""
@@ -295,6 +315,8 @@ def test_dispatch(device, monkeypatch):
     assert tv.fusable(plain, None)
     assert not tv.fusable(filtered, None)
     assert not tv.fusable(plain, torch.zeros(6, 1000))
+    greedy = _tensors(g, seqlens, [0.0, 0.0, 0.0], device)
+    assert tv.fusable(greedy, torch.zeros(6, 1000))  # a greedy row's p is one-hot: q is moot
 
     on_cuda = int(device.type == "cuda")
     verify(logits, drafts, None, plain, layout)
