@@ -269,6 +269,11 @@ class IncrementalDetokenizer:
         return self._finished
 
     @property
+    def has_stops(self) -> bool:
+        """Stop strings to find: the text is needed after each token, before its stop check."""
+        return bool(self._stops)
+
+    @property
     def stop_match(self) -> StopMatch | None:
         return self._stop_match
 
