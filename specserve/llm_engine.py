@@ -411,7 +411,7 @@ class LLMEngine:
                 self._finish_deferred(self._inflight)  # planned from the tokens just committed
             # the text of the step just committed, now that the next one's device work is all
             # queued (a deferred step's sampling waited for the ledger, not for this)
-            self.ledger.fill_text()
+            self.ledger.fill_text(outputs)
         return outputs
 
     def _draft_caps(self) -> dict[int, int] | None:

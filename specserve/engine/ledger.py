@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -90,9 +91,7 @@ class _TextJob:
     """Outputs of one request in one step still without their text (Ledger.fill_text)."""
 
     seq: Sequence
-    outputs: list[TokenOutput]  # the step's list
-    start: int  # its outputs are outputs[start:end]
-    end: int
+    outputs: Seq[TokenOutput]  # its outputs of the step, in order
     num_outputs: int  # the request's output tokens before the step
 
 
@@ -208,7 +207,7 @@ class Ledger:
                 elif n_out >= rules.length_at:
                     reason = FinishReason.LENGTH
                 if rules.per_token_text or (reason is not None and rules.text_later):
-                    jobs.append(_TextJob(seq, outputs, len(outputs) - 1, len(outputs), n_out - 1))
+                    jobs.append(_TextJob(seq, (out,), n_out - 1))
                 if reason is not None:
                     finish(seq, reason)
                     seq.stop_reason = stop_reason
@@ -232,10 +231,10 @@ class Ledger:
             r += 1
             row += seqlen_q
         if not defer_text:
-            self.fill_text()
+            self.fill_text(outputs)
         return outputs
 
-    def fill_text(self) -> None:
+    def fill_text(self, outputs: list[TokenOutput]) -> None:
         """The text of the outputs process_outputs left without it: requests whose stops read no
         text, detokenized token by token (streaming) or at their end at once (deferred text).
         A request whose detokenization fails ends alone, as in the ledger: its outputs of the
@@ -247,30 +246,21 @@ class Ledger:
             detok = seq.detokenizer
             try:
                 if not detok.deferred:
-                    for i in range(job.start, job.end):
-                        out = outs[i]
+                    for out in outs:
                         detok.append(out.token_id)
                         out.text = detok.take_delta()
-                last = outs[job.end - 1]
+                last = outs[-1]
                 if last.finished and seq.finish_reason is not FinishReason.ERROR:
                     last.text += detok.flush(seq.output_token_ids if detok.deferred else None)
             except Exception as e:
                 failed.append((job, e))
         for job, e in failed:
-            self._fail_text(job, e)
-
-    def _fail_text(self, job: _TextJob, exc: Exception) -> None:
-        seq, outs = job.seq, job.outputs
-        dropped = {id(o) for o in outs[job.start : job.end]}
-        step = outs[job.start].step
-        self.num_generated_tokens -= len(dropped)
-        del seq.token_ids[seq.num_prompt_tokens + job.num_outputs :]
-        # in place: the list the engine hands out (by identity: other jobs' indices into it
-        # are used up, fill_text undoes failures last)
-        keep = [o for o in outs if id(o) not in dropped]
-        fail = self.fail_request(seq, exc, step)
-        outs[:] = keep
-        outs.append(fail)
+            seq = job.seq
+            dropped = {id(o) for o in job.outputs}
+            self.num_generated_tokens -= len(dropped)
+            del seq.token_ids[seq.num_prompt_tokens + job.num_outputs :]
+            outputs[:] = [o for o in outputs if id(o) not in dropped]
+            outputs.append(self.fail_request(seq, e, job.outputs[0].step))
 
     def _push(
         self,
@@ -350,7 +340,7 @@ class Ledger:
         if res.draft_confidences is not None:
             anchor.draft_confidences = res.draft_confidences[r]
         if rules.per_token_text or (stop is not None and rules.text_later):
-            self._text_jobs.append(_TextJob(seq, outputs, first, len(outputs), n_before))
+            self._text_jobs.append(_TextJob(seq, outputs[first:], n_before))
         if stop is not None:
             self.sched.finish(seq, stop[0])
             seq.stop_reason = stop[1]

@@ -215,8 +215,9 @@ def test_isolation_with_speculation_keeps_greedy_outputs(sync_llm, spec):
     assert eng.ledger.spec.num_draft_tokens > 0  # speculation did run
 
 
-def test_a_host_failure_in_the_ledger_ends_only_that_request(sync_llm):
-    eng = sync_llm.engine
+@pytest.mark.parametrize("which", ["sync", "overlap"])
+def test_a_host_failure_in_the_ledger_ends_only_that_request(sync_llm, overlap_llm, which):
+    eng = (sync_llm if which == "sync" else overlap_llm).engine
     assert eng.tokenizer is not None
     prompts = prompts_of([5, 8], seed=51)
     ref = reference(eng, prompts, [GREEDY] * 2)
