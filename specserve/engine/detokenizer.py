@@ -299,6 +299,22 @@ class IncrementalDetokenizer:
             return None
         return self._accept(delta, token_index, search=token_index >= self._min_tokens)
 
+    def append_text(self, token_id: int) -> str:
+        """append() then take_delta(), for a detokenizer without stop strings (nothing held
+        back, nothing to find): the text this token made visible."""
+        if self._stops or self._deferred is not None or self._streamed != self._len:
+            self.append(token_id)
+            return self.take_delta()
+        if self._finished:
+            raise RuntimeError("append() after the detokenizer finished")
+        self._num_tokens += 1
+        delta = self._decoder.push(token_id)
+        if delta:
+            self._chunks.append(delta)
+            self._len += len(delta)
+            self._streamed = self._len
+        return delta
+
     def take_delta(self) -> str:
         """Text made visible since the last call that no later stop match can cut."""
         end = self._len if self._finished else self._len - self._holdback

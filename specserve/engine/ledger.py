@@ -86,8 +86,7 @@ class StopRules(NamedTuple):
     per_token_text: bool  # text_later, streamed token by token (not decoded at its end only)
 
 
-@dataclass(slots=True)
-class _TextJob:
+class _TextJob(NamedTuple):
     """Outputs of one request in one step still without their text (Ledger.fill_text)."""
 
     seq: Sequence
@@ -247,8 +246,7 @@ class Ledger:
             try:
                 if not detok.deferred:
                     for out in outs:
-                        detok.append(out.token_id)
-                        out.text = detok.take_delta()
+                        out.text = detok.append_text(out.token_id)
                 last = outs[-1]
                 if last.finished and seq.finish_reason is not FinishReason.ERROR:
                     last.text += detok.flush(seq.output_token_ids if detok.deferred else None)

@@ -224,14 +224,15 @@ def test_a_host_failure_in_the_ledger_ends_only_that_request(sync_llm, overlap_l
 
     def break_detokenizer(i, seq):
         if i == 0:
-            real = seq.detokenizer.append
+            decoder = seq.detokenizer._decoder  # the window decoder every append feeds
+            real = decoder.push
 
-            def append(tok):
+            def push(tok):
                 if seq.num_output_tokens >= 4:
                     raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
                 return real(tok)
 
-            seq.detokenizer.append = append
+            decoder.push = push
 
     res = run(eng, prompts, [GREEDY] * 2, break_detokenizer)
     assert res[1][0] == ref[1]
