@@ -416,6 +416,9 @@ class LLMEngine:
                 outputs += self._process_in_flight(inflight, launched, batch.step)
             if self._inflight is not None and self._inflight.deferred is not None:
                 self._finish_deferred(self._inflight)  # planned from the tokens just committed
+            # the text of the step just committed, now that the next one's device work is all
+            # queued (a deferred step's sampling waited for the ledger, not for this)
+            self.ledger.fill_text(outputs)
         return outputs
 
     def _draft_caps(self) -> dict[int, int] | None:
@@ -438,7 +441,7 @@ class LLMEngine:
             self._inflight = None  # rolled back with it: it read the failed step's tokens
             return []
         try:
-            return self._commit(inflight, host, out_step, draft=False)
+            return self._commit(inflight, host, out_step, draft=False, defer_text=True)
         except BaseException:
             if newer is not None and newer.deferred is not None:
                 # a ledger that failed midway plans no sampling: the step is undone
@@ -576,11 +579,17 @@ class LLMEngine:
             self.budget.observe_step(launched.batch.num_rows, now - start)
 
     def _commit(
-        self, launched: LaunchedStep, host: HostStepResult | None, out_step: int, draft: bool
+        self,
+        launched: LaunchedStep,
+        host: HostStepResult | None,
+        out_step: int,
+        draft: bool,
+        defer_text: bool = False,
     ) -> list[TokenOutput]:
         """Run the ledger and, with a drafter and draft=True (the next step is synchronous),
-        draft the next step. Outputs belong to out_step for the pool."""
-        outputs = self.ledger.process_outputs(launched.batch, host, out_step)
+        draft the next step. Outputs belong to out_step for the pool; defer_text: their text
+        waits for ledger.fill_text()."""
+        outputs = self.ledger.process_outputs(launched.batch, host, out_step, defer_text)
         if self.speculator is not None and draft:
             try:
                 self.speculator.propose()

@@ -269,6 +269,11 @@ class IncrementalDetokenizer:
         return self._finished
 
     @property
+    def has_stops(self) -> bool:
+        """Stop strings to find: the text is needed after each token, before its stop check."""
+        return bool(self._stops)
+
+    @property
     def stop_match(self) -> StopMatch | None:
         return self._stop_match
 
@@ -293,6 +298,22 @@ class IncrementalDetokenizer:
             self._len += len(delta)
             return None
         return self._accept(delta, token_index, search=token_index >= self._min_tokens)
+
+    def append_text(self, token_id: int) -> str:
+        """append() then take_delta(), for a detokenizer without stop strings (nothing held
+        back, nothing to find): the text this token made visible."""
+        if self._stops or self._deferred is not None or self._streamed != self._len:
+            self.append(token_id)
+            return self.take_delta()
+        if self._finished:
+            raise RuntimeError("append() after the detokenizer finished")
+        self._num_tokens += 1
+        delta = self._decoder.push(token_id)
+        if delta:
+            self._chunks.append(delta)
+            self._len += len(delta)
+            self._streamed = self._len
+        return delta
 
     def take_delta(self) -> str:
         """Text made visible since the last call that no later stop match can cut."""

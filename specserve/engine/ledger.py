@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -69,6 +70,30 @@ class SpecCounters:
             self.accepted_per_position[j] += 1
 
 
+class StopRules(NamedTuple):
+    """A request's stop rules and output needs, fixed at its first step (Ledger._rules)."""
+
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: both stop it
+    eos: frozenset[int]  # the EOS ids among them (stop_reason None, not the id)
+    min_tokens: int
+    length_at: int  # LENGTH at this many output tokens (max_tokens or max_model_len)
+    num_prompt: int
+    # no grammar, logprobs or prompt logprobs, and no stop strings: a step without drafts
+    # takes the ledger's one-token path
+    plain: bool
+    # its text is made after its stop decisions (Ledger.fill_text): no stop strings read it
+    text_later: bool
+    per_token_text: bool  # text_later, streamed token by token (not decoded at its end only)
+
+
+class _TextJob(NamedTuple):
+    """Outputs of one request in one step still without their text (Ledger.fill_text)."""
+
+    seq: Sequence
+    outputs: Seq[TokenOutput]  # its outputs of the step, in order
+    num_outputs: int  # the request's output tokens before the step
+
+
 def _clamp(lp: float) -> float:
     return lp if lp > LOGPROB_FLOOR and not math.isnan(lp) else LOGPROB_FLOOR
 
@@ -88,19 +113,57 @@ class Ledger:
         self.spec = SpecCounters()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._text_jobs: list[_TextJob] = []  # filled by fill_text()
+
+    def _rules(self, seq: Sequence) -> StopRules:
+        p, detok = seq.params, seq.detokenizer
+        eos = frozenset() if p.ignore_eos else self.eos_ids
+        length_at = self.sched.max_model_len - seq.num_prompt_tokens
+        if p.max_tokens is not None and p.max_tokens < length_at:
+            length_at = p.max_tokens
+        # a detokenizer without stop strings: no stop decision reads its text
+        text_later = detok is not None and not detok.has_stops
+        rules = StopRules(
+            eos | frozenset(p.stop_token_ids or ()),
+            eos,
+            p.min_tokens,
+            length_at,
+            seq.num_prompt_tokens,
+            seq.grammar is None
+            and p.logprobs is None
+            and p.prompt_logprobs is None
+            and (detok is None or text_later),
+            text_later,
+            text_later and not detok.deferred,
+        )
+        seq.stop_rules = rules
+        return rules
 
     def process_outputs(
-        self, batch: StepBatch, res: HostStepResult | None, out_step: int | None = None
+        self,
+        batch: StepBatch,
+        res: HostStepResult | None,
+        out_step: int | None = None,
+        defer_text: bool = False,
     ) -> list[TokenOutput]:
         """Append tokens one at a time with a stop check after each; commit the KV ledger; free
         finished requests; one pooled output per emitted token, finish_reason on the last.
         out_step: the step whose outputs these are for the pool (under overlap, the step being
-        handed to the caller, one after the batch's own)."""
+        handed to the caller, one after the batch's own). defer_text: the outputs of requests
+        whose stops read no text (no stop strings) get their text at fill_text(), which the
+        caller runs before the next process_outputs (after queueing the next step's device work,
+        so detokenization is off the path between a readback and the next launch)."""
         step = batch.step if out_step is None else out_step
         outputs: list[TokenOutput] = []
         now = time.perf_counter()
         r = 0  # index among sampling requests
         row = 0  # first row of request r in the verify layout
+        # one-token path: a step without logprobs, for plain requests verifying no drafts
+        fast = res is not None and res.token_logprobs is None
+        sampled = res.sampled_token_ids if res is not None else ()
+        confs = res.draft_confidences if res is not None else None
+        acquire, jobs, finish = self.pool.acquire, self._text_jobs, self.sched.finish
+        block_size = self.sched.bm.block_size
         for seq, qlen, nd, samples, epoch in zip(
             batch.seqs, batch.query_lens, batch.num_drafts, batch.samples, batch.epochs
         ):
@@ -115,22 +178,87 @@ class Ledger:
             if not samples:  # mid-prefill chunk: all rows kept, nothing emitted
                 self._register_blocks(seq)
                 continue
-            assert res is not None
-            num_tokens, num_outputs = len(seq.token_ids), len(outputs)
-            try:
-                self._push(outputs, seq, qlen, nd, r, row, res, step, now)
-            except OutputPoolExhausted:
-                raise  # the engine's, not this request's
-            except Exception as e:
-                # this request's tokens broke something on the host (detokenizer, stop check):
-                # end it alone; its outputs of this step are dropped (the pool takes them back
-                # with the step), and so are the tokens it appended; the others' are untouched
-                del seq.token_ids[num_tokens:]
-                del outputs[num_outputs:]
-                outputs.append(self.fail_request(seq, e, step))
+            rules = seq.stop_rules or self._rules(seq)
+            if fast and rules.plain and not nd:
+                # _push for one token and no logprobs, inline (the common decode step)
+                if seq.num_pending:
+                    seq.num_pending -= 1
+                tok = sampled[r]
+                token_ids = seq.token_ids
+                token_ids.append(tok)
+                n_out = len(token_ids) - rules.num_prompt
+                out = acquire(step)
+                out.request_id = seq.request_id
+                out.token_id = tok
+                out.index = n_out - 1
+                out.num_output_tokens = n_out
+                out.is_anchor = True
+                if confs is not None:
+                    out.draft_confidences = confs[r]
+                outputs.append(out)
+                self.num_generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = stop_reason = None
+                if n_out > rules.min_tokens and tok in rules.stop_ids:
+                    reason = FinishReason.STOP
+                    stop_reason = None if tok in rules.eos else tok
+                elif n_out >= rules.length_at:
+                    reason = FinishReason.LENGTH
+                if rules.per_token_text or (reason is not None and rules.text_later):
+                    jobs.append(_TextJob(seq, (out,), n_out - 1))
+                if reason is not None:
+                    finish(seq, reason)
+                    seq.stop_reason = stop_reason
+                    self._finish_output(seq, out, text=not rules.text_later)
+                elif len(seq.block_table.hashes) < seq.num_computed_tokens // block_size:
+                    self._register_blocks(seq)
+            else:
+                num_tokens, num_outputs = len(seq.token_ids), len(outputs)
+                try:
+                    self._push(outputs, seq, qlen, nd, r, row, res, step, now, rules)
+                except OutputPoolExhausted:
+                    raise  # the engine's, not this request's
+                except Exception as e:
+                    # this request's tokens broke something on the host (detokenizer, stop
+                    # check): end it alone; its outputs of this step are dropped (the pool
+                    # takes them back with the step), and so are the tokens it appended; the
+                    # others' are untouched
+                    del seq.token_ids[num_tokens:]
+                    del outputs[num_outputs:]
+                    outputs.append(self.fail_request(seq, e, step))
             r += 1
             row += seqlen_q
+        if not defer_text:
+            self.fill_text(outputs)
         return outputs
+
+    def fill_text(self, outputs: list[TokenOutput]) -> None:
+        """The text of the outputs process_outputs left without it: requests whose stops read no
+        text, detokenized token by token (streaming) or at their end at once (deferred text).
+        A request whose detokenization fails ends alone, as in the ledger: its outputs of the
+        step and the tokens it appended in it are dropped, an error output takes their place."""
+        jobs, self._text_jobs = self._text_jobs, []
+        failed: list[tuple[_TextJob, Exception]] = []
+        for job in jobs:
+            seq, outs = job.seq, job.outputs
+            detok = seq.detokenizer
+            try:
+                if not detok.deferred:
+                    for out in outs:
+                        out.text = detok.append_text(out.token_id)
+                last = outs[-1]
+                if last.finished and seq.finish_reason is not FinishReason.ERROR:
+                    last.text += detok.flush(seq.output_token_ids if detok.deferred else None)
+            except Exception as e:
+                failed.append((job, e))
+        for job, e in failed:
+            seq = job.seq
+            dropped = {id(o) for o in job.outputs}
+            self.num_generated_tokens -= len(dropped)
+            del seq.token_ids[seq.num_prompt_tokens + job.num_outputs :]
+            outputs[:] = [o for o in outputs if id(o) not in dropped]
+            outputs.append(self.fail_request(seq, e, job.outputs[0].step))
 
     def _push(
         self,
@@ -143,10 +271,11 @@ class Ledger:
         res: HostStepResult,
         step: int,
         now: float,
+        rules: StopRules,
     ) -> None:
         """Request r of the step: append its accepted prefix and sampled token with a stop check
         after each, commit its KV ledger, finish it on a stop; its outputs, in order, appended
-        to `outputs`."""
+        to `outputs` (their text now, or by fill_text when no stop string reads it)."""
         first = len(outputs)
         if seq.num_pending:
             seq.num_pending -= 1
@@ -158,18 +287,13 @@ class Ledger:
             tokens.append(res.sampled_token_ids[r])
         else:
             tokens = (res.sampled_token_ids[r],)
-        # the stop rules, hoisted out of the per-token loop
-        p = seq.params
         token_ids, detok, grammar = seq.token_ids, seq.detokenizer, seq.grammar
-        if detok is not None and detok.deferred:
-            detok = None  # decodes the whole output when it finishes (_finish_output)
-        n_out = len(token_ids) - len(seq.prompt_token_ids)  # output tokens so far
-        eos = () if p.ignore_eos else self.eos_ids
-        stop_ids, min_tokens = p.stop_token_ids, p.min_tokens
-        # LENGTH at max_tokens outputs or at max_model_len tokens, whichever comes first
-        length_at = self.sched.max_model_len - len(seq.prompt_token_ids)
-        if p.max_tokens is not None and p.max_tokens < length_at:
-            length_at = p.max_tokens
+        if rules.text_later:
+            detok = None  # no stop string reads the text: fill_text makes it
+        n_out = len(token_ids) - rules.num_prompt  # output tokens so far
+        n_before = n_out
+        eos, stop_ids, min_tokens = rules.eos, rules.stop_ids, rules.min_tokens
+        length_at = rules.length_at
         stop = None
         for j, tok in enumerate(tokens):
             token_ids.append(tok)
@@ -178,10 +302,8 @@ class Ledger:
             match = detok.append(tok) if detok is not None else None
             # the first min_tokens tokens never stop (the sampler also masks EOS/stop ids for them)
             if n_out > min_tokens:
-                if tok in eos:
-                    stop = FinishReason.STOP, None
-                elif tok in stop_ids:
-                    stop = FinishReason.STOP, tok
+                if tok in stop_ids:
+                    stop = FinishReason.STOP, None if tok in eos else tok
                 elif match is not None:
                     stop = FinishReason.STOP, match.stop_str
             if stop is None and n_out >= length_at:
@@ -215,10 +337,12 @@ class Ledger:
             seq.first_token_time = now
         if res.draft_confidences is not None:
             anchor.draft_confidences = res.draft_confidences[r]
+        if rules.per_token_text or (stop is not None and rules.text_later):
+            self._text_jobs.append(_TextJob(seq, outputs[first:], n_before))
         if stop is not None:
             self.sched.finish(seq, stop[0])
             seq.stop_reason = stop[1]
-            self._finish_output(seq, anchor)
+            self._finish_output(seq, anchor, text=not rules.text_later)
         else:
             self._register_blocks(seq)
 
@@ -267,9 +391,11 @@ class Ledger:
     def _decode(self, tok: int) -> str | None:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
 
-    def _finish_output(self, seq: Sequence, out: TokenOutput) -> None:
+    def _finish_output(self, seq: Sequence, out: TokenOutput, text: bool = True) -> None:
+        """The request's last output: finished, its reasons, and (text) its remaining text;
+        text=False: fill_text adds that."""
         # a failed request's held-back text is not released: its detokenizer may be what failed
-        detok = seq.detokenizer
+        detok = seq.detokenizer if text else None
         if detok is not None and seq.finish_reason is not FinishReason.ERROR:
             out.text += detok.flush(seq.output_token_ids if detok.deferred else None)
         elif detok is not None and detok.deferred:

@@ -70,6 +70,8 @@ class Sequence:
     prompt_logprobs_state: object | None = None
     # structured outputs: specserve.structured.matcher.RequestGrammar, set by the engine
     grammar: object | None = None
+    # the ledger's view of params (ledger.StopRules), made at its first step
+    stop_rules: object | None = None
     # its sampling parameters and seed packed for the sampler's upload (runner/sampler_inputs.py)
     sampling_row: bytes | None = None
 

@@ -215,22 +215,24 @@ def test_isolation_with_speculation_keeps_greedy_outputs(sync_llm, spec):
     assert eng.ledger.spec.num_draft_tokens > 0  # speculation did run
 
 
-def test_a_host_failure_in_the_ledger_ends_only_that_request(sync_llm):
-    eng = sync_llm.engine
+@pytest.mark.parametrize("which", ["sync", "overlap"])
+def test_a_host_failure_in_the_ledger_ends_only_that_request(sync_llm, overlap_llm, which):
+    eng = (sync_llm if which == "sync" else overlap_llm).engine
     assert eng.tokenizer is not None
     prompts = prompts_of([5, 8], seed=51)
     ref = reference(eng, prompts, [GREEDY] * 2)
 
     def break_detokenizer(i, seq):
         if i == 0:
-            real = seq.detokenizer.append
+            decoder = seq.detokenizer._decoder  # the window decoder every append feeds
+            real = decoder.push
 
-            def append(tok):
+            def push(tok):
                 if seq.num_output_tokens >= 4:
                     raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
                 return real(tok)
 
-            seq.detokenizer.append = append
+            decoder.push = push
 
     res = run(eng, prompts, [GREEDY] * 2, break_detokenizer)
     assert res[1][0] == ref[1]

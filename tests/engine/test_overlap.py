@@ -3,6 +3,8 @@ tokens read from the device-resident next_tokens buffer), checked against the sy
 On CPU the device work runs in the engine's worker thread. Steps whose sampling reads the tokens
 of the step in flight on the host: test_deferred_sampling.py."""
 
+import dataclasses
+
 import pytest
 
 from specserve import SamplingParams, env
@@ -68,6 +70,37 @@ def test_overlap_outputs_identical_to_synchronous():
     assert over == sync
     # the stop-token request really stopped early, mid-flight (a row was already scheduled)
     assert sync[3][2] == "stop" and len(sync[3][0]) < 20
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streamed_text_is_the_generated_text_and_usage_what_was_streamed(overlap):
+    """Text of requests without stop strings is made after the stop decisions (the ledger's
+    fill_text; under overlap after the next step's launch): streamed deltas still add up to
+    the offline text, stop strings still cut exactly, usage counts what was streamed."""
+    prompts = prompts_of([5, 40, 17, 3, 60, 9, 28, 33, 12, 7, 50], seed=5)
+    # seeded: the two runs draw the same tokens (an unseeded request gets a fresh seed)
+    params = [dataclasses.replace(sp, seed=sp.seed or i) for i, sp in enumerate(_mixed_params(11))]
+    want = _run(_llm(False), prompts, params)
+    llm = _llm(overlap)
+    text: dict[str, list[str]] = {}
+    ids: dict[str, list[int]] = {}
+    last = {}
+    for out in llm.stream(prompts, params):
+        text.setdefault(out.request_id, []).append(out.text)
+        ids.setdefault(out.request_id, []).append(out.token_id)
+        assert out.num_output_tokens == len(ids[out.request_id])
+        last[out.request_id] = out
+    assert len(last) == len(prompts)
+    for (w_ids, w_text, reason, stop_reason, usage), rid in zip(want, sorted(last, key=int)):
+        assert ids[rid] == w_ids and "".join(text[rid]) == w_text
+        assert (last[rid].finish_reason, last[rid].stop_reason) == (reason, stop_reason)
+        assert last[rid].num_output_tokens == usage == len(w_ids)
+    plain = [i for i, sp in enumerate(params) if not sp.stop]
+    tok = llm.get_tokenizer()
+    for i in plain:
+        assert want[i][1] == tok.decode(want[i][0], skip_special_tokens=True)
+    cut = [w for w, sp in zip(want, params) if sp.stop and w[2] == "stop"]
+    assert cut and all(w[3] in ("e", "a") and not set(w[1]) & {"e", "a"} for w in cut)
 
 
 def test_overlap_logprobs_match():
