@@ -100,6 +100,15 @@ def _results(outs) -> list[tuple]:
     ]
 
 
+def _close_logprobs(a, b, tol: float = 1e-5) -> None:
+    assert (a is None) == (b is None)
+    for pa, pb in zip(a or [], b or []):
+        assert pa.keys() == pb.keys()
+        for tok in pa:
+            assert abs(pa[tok].logprob - pb[tok].logprob) <= tol, (tok, pa[tok], pb[tok])
+    assert len(a or []) == len(b or [])
+
+
 def _check_grammars(params: list[SamplingParams], res: list[tuple]) -> None:
     for sp, (_ids, text, reason, *_rest) in zip(params, res):
         so = sp.structured_outputs
@@ -133,7 +142,12 @@ def test_host_token_requests_overlap_and_match_the_synchronous_engine(monkeypatc
     monkeypatch.setattr(eng, "_launch", count_rows)
     outs = llm.generate(prompts, params, use_tqdm=False)
     got = _results(outs)
-    assert got == want
+    assert [r[:5] for r in got] == [r[:5] for r in want]
+    # logprobs to 1e-5: on the CPU a row's logits depend on its batch's shape in the last bits
+    # (GEMM row count, padded attention length), and the overlapped engine still schedules a row
+    # for a request whose stop is in flight
+    for a, b in zip(got, want):
+        _close_logprobs(a[5], b[5])
     _check_grammars(params, got)
     assert all(len(r[0]) == r[4] for r in got)  # usage == tokens streamed
     # no step waited for the one in flight before launching (before: every step with such a
