@@ -65,19 +65,21 @@ def int4_kernels_available() -> bool:
 
 def quantize_groups(
     w: torch.Tensor,  # [N, K] float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, Kp] int32 0..15, scale/zero [Kp/G, N]
-    """Asymmetric min/max per group of 32: the group's min and max are (nearly) representable.
-    Returned in the kernel's form: w ~= (q - 8) * scale + zero. K is zero-padded to Kp, a
-    multiple of 32 (the caller pads the activations the same way)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, Kp] uint8 0..15, scale/zero [Kp/G, N]
+    """Asymmetric min/max per group of 32, in the kernel's form w ~= (q - 8) * scale + zero.
+    Scale and zero are rounded to bf16 (what the kernel reads) BEFORE q is chosen against them,
+    so the error stays within half a step however far a group sits from 0. K is zero-padded to
+    Kp, a multiple of 32 (the caller pads the activations the same way)."""
     n, k = w.shape
     wf = F.pad(w.detach().float(), (0, -k % GROUP))
     wg = wf.reshape(n, -1, GROUP)
-    lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [N, K/G]
-    step = (hi - lo) / 15
-    step = torch.where(step > 0, step, torch.ones_like(step))  # constant groups: q = 0, w = lo
-    q = torch.round((wg - lo[..., None]) / step[..., None]).clamp_(0, 15)
-    scale, zero = step, lo + ZERO_POINT * step  # w = lo + q * step
-    return q.to(torch.int32).reshape(n, -1), scale.t().contiguous(), zero.t().contiguous()
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [N, Kp/G]
+    scale = ((hi - lo) / 15).to(torch.bfloat16).float()  # 0 for a constant group: w = zero
+    zero = (lo + ZERO_POINT * scale).to(torch.bfloat16).float()
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((wg - zero[..., None]) / step[..., None]) + ZERO_POINT
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(n, -1)
+    return q, scale.t().contiguous(), zero.t().contiguous()
 
 
 def from_q4_1(
@@ -100,15 +102,16 @@ def dequantize(
 
 
 def pack(
-    q: torch.Tensor,  # [N, K] int32 0..15, N % 16 == 0, K % GROUP == 0
+    q: torch.Tensor,  # [N, K] integers 0..15, N % 16 == 0, K % GROUP == 0
     scale: torch.Tensor,  # [K/G, N]
     zero: torch.Tensor,  # [K/G, N]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # packed uint8 [N, K/2], scales_and_zeros [K/G, N, 2] bf16
     """The kernel's operands. Scale and zero round to bf16 here (the kernel wants them in the
-    activations' dtype): the one rounding a Q4_1 re-encoding adds (relative 2^-9 at most)."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        q.to(torch.int32).contiguous(), INNER_K_TILES
-    )
+    activations' dtype): the one rounding a Q4_1 re-encoding adds. bf16 keeps 8 significant
+    bits, so a weight moves by <= 2^-8 (8 |scale| + |zero|): 1/32 of a step plus 2^-8 of the
+    zero (GGUF's d and m are fp16, 11 bits)."""
+    q = q.to(torch.int32)  # [N, K] uint8 or int32 in; the packing wants int32
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INNER_K_TILES)
     return packed, torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
 
 
