@@ -55,6 +55,10 @@ class Int4Linear(nn.Module):
         packed, scales_and_zeros = pack(q, scale, zero)
         self.register_buffer("packed", packed)  # [Np, Kp/2] uint8, the kernel's layout
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [Kp/32, Np, 2] bf16
+        # many-row operand (ops/int4.py): what the kernel dequantizes, rounded to bf16
+        sz = scales_and_zeros.float()
+        wide = dequantize(q, sz[..., 0], sz[..., 1]).to(torch.bfloat16)
+        self.register_buffer("wide", wide)  # [Np, Kp] bf16
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
@@ -66,7 +70,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.pad_k:
             x2 = F.pad(x2, (0, self.pad_k))
-        y = int4_linear(x2, self.packed, self.scales_and_zeros)
+        y = int4_linear(x2, self.packed, self.scales_and_zeros, self.wide)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None:

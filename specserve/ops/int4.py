@@ -14,6 +14,13 @@ Conventions of `aten._convert_weight_to_int4pack_for_cpu` / `aten._weight_int4pa
 Activations must be bf16: the fp32 and fp16 paths exist but are 40-70x slower than bf16
 (measured below). Output: one bf16 rounding of the fp32 accumulation.
 
+int4pack_mm costs ~22 us per row of a 3072 x 576 weight at any row count (it dequantizes for
+each row block), so above INT4PACK_MAX_ROWS rows (prefill, large batches) a bf16 GEMM over a
+bf16 copy of the dequantized weights runs instead, as int8's weight-only path does: 627 vs
+1452 us at 64 rows, 8126 vs 23294 at 1024 (3072 x 576, 1 thread; equal at 16 rows).
+That copy rounds each weight to bf16 (relative 2^-9), so a row's bits depend on which side of
+the threshold its step falls, as they do for fp32's own GEMMs, which block by row count.
+
 Measured on this 2-core AMD EPYC (Zen 4: avx512_bf16, no AMX), torch 2.13, 1 thread, each call on
 a distinct weight (streamed from DRAM), median of 5, us per call (`fp32` = F.linear fp32):
 
@@ -34,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
+INT4PACK_MAX_ROWS = 16  # above: the bf16 GEMM over the dequantized copy (module doc)
 ZERO_POINT = 8  # the kernel subtracts 8 from every 4-bit value before scaling
 N_ALIGN = 16  # the packing wants N % 16 == 0
 INNER_K_TILES = 2  # a packing argument; the CPU kernel's layout does not depend on it
@@ -119,11 +127,14 @@ def int4_linear(
     x: torch.Tensor,  # [M, K] float32 or bf16
     packed: torch.Tensor,  # [N, K/2] uint8 from pack
     scales_and_zeros: torch.Tensor,  # [K/G, N, 2] bf16
+    wide: torch.Tensor,  # [N, K] bf16: the dequantized weights, for many rows
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """bf16(x) @ dequant(w)^T, accumulated in fp32 inside the kernel, rounded once to bf16."""
+    """bf16(x) @ dequant(w)^T, accumulated in fp32, rounded once to bf16: int4pack_mm up to
+    INT4PACK_MAX_ROWS rows, the bf16 GEMM over `wide` above."""
     if x.shape[0] == 0:
         return x.new_zeros((0, packed.shape[0]))
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.to(torch.bfloat16), packed, GROUP, scales_and_zeros
-    )
+    xb = x.to(torch.bfloat16)
+    if x.shape[0] > INT4PACK_MAX_ROWS:
+        return F.linear(xb, wide).to(x.dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_and_zeros)
     return y.to(x.dtype)
