@@ -77,7 +77,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 # int8: weight-only int8 (bf16 activations into the GEMM); w8a8: int8 weights and activations
-QUANTIZATION_METHODS = ("int8", "w8a8")
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4")
 
 
 @dataclass
@@ -89,7 +89,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     tensor_parallel_size: int = 1  # ranks (processes, devices) one model is split over
-    # None: weights run in `dtype`; "int8" / "w8a8": int8 linear weights on the CPU (model/quant.py)
+    # None: weights run in `dtype`; "int8" / "w8a8" / "int4": quantized linears on the CPU
+    # (model/quant.py)
     quantization: str | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
@@ -248,9 +249,21 @@ def check_quantization(method: object, device: str, tensor_parallel_size: int) -
     if kind != "cpu":
         raise InvalidRequestError(
             f"quantization={method!r} runs on the CPU only (its kernels are torch's CPU int8 "
-            "kernels); use device='cpu', or leave quantization unset on CUDA",
+            "and int4 kernels); use device='cpu', or leave quantization unset on CUDA",
             "quantization",
         )
+    if method == "int4":
+        from specserve.ops.int4 import int4_kernels_available
+
+        if not int4_kernels_available():
+            import torch
+
+            raise InvalidRequestError(
+                f"quantization='int4' needs torch's CPU int4 kernels "
+                f"(aten._weight_int4pack_mm_for_cpu, torch >= 2.6) with the layout specserve "
+                f"checks; torch {torch.__version__} lacks them; use quantization='int8' or upgrade torch",
+                "quantization",
+            )
 
 
 def _check_device(device: str, tp: int = 1) -> None:

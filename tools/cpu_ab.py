@@ -7,7 +7,7 @@ On a shared machine one run means little: every variant loads once, then each re
 of them in a rotated order on the same requests (ShareGPT prompts, as `specserve bench
 throughput`), and the report is the median over repeats of each variant's ratio to the first
 variant in the same repeat. Workloads: batch 1 (requests one at a time: median decode tok/s)
-and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `int8`, `w8a8`
+and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `int8`, `w8a8`, `int4`
 (quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `:kernel` / `:torch` (the CPU
 attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
 optionally `@threads`:
@@ -34,7 +34,7 @@ def parse_variant(v: str) -> dict[str, Any]:
     if quant in ("fp32", "bf16"):
         quant, dtype = "", quant
     kw: dict[str, Any] = {"dtype": {"": "float32", "fp32": "float32", "bf16": "bfloat16"}[dtype]}
-    if quant in ("int8", "w8a8"):
+    if quant in ("int8", "w8a8", "int4"):
         kw["quantization"] = quant
     elif quant:
         raise SystemExit(f"unknown variant {v!r}")

@@ -51,8 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="CPU only: int8 linear weights per output channel; int8 = weight-only (bf16 "
-        "activations into the GEMM), w8a8 = int8 activations too (default: weights in --dtype)",
+        help="CPU only: int8 = int8 linear weights per output channel (bf16 activations into "
+        "the GEMM), w8a8 = int8 activations too, int4 = 4-bit weights in groups of 32 (GGUF "
+        "Q4_1 re-encoded exactly) (default: weights in --dtype)",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"

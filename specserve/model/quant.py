@@ -2,6 +2,7 @@
 
   "int8"  weight-only: int8 weights per output channel, bf16 activations into the GEMM
   "w8a8"  int8 weights and int8 activations (per row, quantized on the fly), int32 accumulation
+  "int4"  weight-only, 4-bit groups of 32 (GGUF Q4_1 re-encoded exactly): model/quant_int4.py
 
 Everything else (embedding lookup, norms, attention, KV cache, residual stream, logits) stays in
 the engine's dtype. With tied embeddings the lm_head gets its own int8 copy of the embedding
@@ -11,6 +12,7 @@ Kernels and measurements: specserve/ops/int8.py.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ class Int8Linear(nn.Module):
         method: str,
     ) -> None:
         super().__init__()
-        if method not in QUANTIZATION_METHODS:
+        if method not in QUANTIZATION_METHODS or method == "int4":
             raise ValueError(f"unknown quantization {method!r}")
         self.method = method
         self.out_features, self.in_features = weight.shape
@@ -58,9 +60,14 @@ class Int8Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, method={self.method}"
 
 
-def quantize_model(model: nn.Module, method: str) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, gguf: Path | None = None) -> nn.Module:
     """Swap every nn.Linear of `model` for an Int8Linear, in place, and give a tied model an
-    int8 lm_head (LlamaForCausalLM.compute_logits calls `lm_head` when it is set)."""
+    int8 lm_head (LlamaForCausalLM.compute_logits calls `lm_head` when it is set). "int4": the
+    same with Int4Linear; `gguf` is the file the model came from, if it is one."""
+    if method == "int4":
+        from specserve.model.quant_int4 import quantize_model_int4
+
+        return quantize_model_int4(model, gguf)
     for mod in list(model.modules()):
         for child_name, child in list(mod.named_children()):
             if isinstance(child, nn.Linear):
@@ -79,8 +86,22 @@ def quantize_engine(engine: Any) -> None:
     method = engine.config.quantization
     if method is None:
         return
-    quantize_model(engine.target_model, method)
+    gguf = _gguf_source(engine.config.model, engine.config.revision) if method == "int4" else None
+    quantize_model(engine.target_model, method, gguf)
     if getattr(engine, "budget", None) is not None:
         from specserve.speculative.verify_budget import VerifyBudget
 
         engine.budget = VerifyBudget.for_engine(engine, None)
+
+
+def _gguf_source(model: str | None, revision: str | None) -> Path | None:
+    """The GGUF file the engine's model was loaded from (None: the default model's), or None."""
+    from specserve.model.loader import default_model_path, resolve_model_path
+    from specserve.model.loader.dummy import DUMMY_PREFIX
+
+    if model is None:
+        return default_model_path()
+    if model.startswith(DUMMY_PREFIX):
+        return None
+    path = resolve_model_path(model, revision)
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None

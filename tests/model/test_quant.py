@@ -45,7 +45,7 @@ def _dequantized_reference(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("method", QUANTIZATION_METHODS)
+@pytest.mark.parametrize("method", ["int8", "w8a8"])  # int4: tests/model/test_quant_int4.py
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
 def test_quantized_model_computes_its_dequantized_weights(
     tiny_hf_dirs: dict[str, Path], family: str, method: str
@@ -108,9 +108,15 @@ def test_speculation_is_lossless_on_the_quantized_model(tiny_llama_dir: Path, me
         got, llm = run(spec)
         assert got == plain, spec["method"]
         if spec["method"] == "draft_model":
-            # the target drafts for itself through the same int8 layers: every draft accepted
+            # the target drafts for itself through the same layers: every draft accepted. int4
+            # switches kernels above 16 rows (ops/int4.py), so a draft computed in a step of
+            # another size may differ in its last bits (measured: 48 of 49 accepted)
             m = llm.get_metrics()
-            assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+            assert m["spec_draft_tokens"] > 0
+            if method == "int4":
+                assert m["spec_accepted_tokens"] >= 0.9 * m["spec_draft_tokens"]
+            else:
+                assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
 
 
 @pytest.mark.parametrize(

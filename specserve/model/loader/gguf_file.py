@@ -213,6 +213,56 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
 
 
+Q4_1_BYTES = 20  # one Q4_1 block: fp16 d, fp16 m, 16 bytes of 4-bit q for 32 weights
+
+
+def split_q4_1(
+    raw: torch.Tensor,  # [N, K/32 * 20] uint8: a Q4_1 tensor's bytes, one row per output channel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, K] uint8 0..15, d, m [N, K/32] fp32
+    """A Q4_1 tensor's blocks as tensors, value = d * q + m. Within a block, byte j holds weight
+    j in its low nibble and weight j + 16 in its high nibble."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, Q4_1_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = blocks[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, -1)
+    return q, d, m
+
+
+def q4_1_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The GGUF's Q4_1 weights by HF name, as split_q4_1 returns them, rows in HF order (q/k
+    unpermuted as _convert does): quantization="int4" re-encodes them without a round trip
+    through fp32 (model/quant_int4.py). Their raw blocks are cached beside the dequantized
+    weights (the GGUF reader spends seconds parsing the tokenizer metadata)."""
+    from safetensors.torch import load_file
+
+    folder = cache_dir() / "gguf" / f"{_file_key(path)}-q4_1"
+    _cached(folder, lambda d: _save_q4_1(path, d))
+    raw = load_file(str(folder / "q4_1.safetensors"))
+    return {name: split_q4_1(blocks) for name, blocks in raw.items()}
+
+
+def _save_q4_1(path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = open_reader(path)
+    config = gguf_hf_config(reader, path)
+    arch = _field(reader, "general.architecture")
+    blocks = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+            continue
+        raw = np.asarray(t.data)  # [N, K/32 * 20] uint8; whole rows, so rows permute as bytes
+        if arch in _PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            raw = unpermute_rope_rows(raw, heads)
+        blocks[name] = torch.from_numpy(np.ascontiguousarray(raw))
+    save_file(blocks, str(out / "q4_1.safetensors"))
+
+
 def _convert(
     reader: Any, config: dict[str, Any], path: Path, out: Path, dtype: torch.dtype, progress: bool
 ) -> None:
