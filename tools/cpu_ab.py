@@ -13,6 +13,12 @@ attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share on
 optionally `@threads`:
 
     python tools/cpu_ab.py --variants fp32:torch,fp32:kernel --repeats 5
+
+`llamacpp` (batch 1 only) runs the default model's GGUF (Q4_1) in llama.cpp through
+llama-cpp-python, greedy on the same prompt ids, timed the same way (tokens after the first over
+their time); install it beside the project (`pip install llama-cpp-python`, a source build):
+
+    python tools/cpu_ab.py --variants llamacpp@2,fp32@2,int8@2,int4@2 --repeats 5
 """
 
 from __future__ import annotations
@@ -25,8 +31,43 @@ import sys
 from typing import Any
 
 
+class LlamaCpp:
+    """llama.cpp on the default model's GGUF, batch 1: median decode tok/s over the requests."""
+
+    def __init__(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        from specserve.model.loader.default_model import default_model_path
+
+        self.llm = Llama(
+            model_path=str(default_model_path()),
+            n_ctx=2048,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+
+    def batch1(self, requests) -> float:
+        import time
+
+        rates = []
+        for r in requests:
+            self.llm.reset()
+            n, first = 0, 0.0
+            for _ in self.llm.generate(r.prompt_token_ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+                n += 1
+                if n == 1:
+                    first = time.perf_counter()
+                if n == r.output_len:
+                    break
+            rates.append((n - 1) / (time.perf_counter() - first))
+        return statistics.median(rates)
+
+
 def parse_variant(v: str) -> dict[str, Any]:
     name, _, threads = v.partition("@")
+    if name == "llamacpp":
+        return {"name": v, "engine": None, "threads": int(threads) if threads else 1}
     name, _, attention = name.partition(":")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
@@ -75,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     default_threads = torch.get_num_threads()
     llms = {}
     for v in variants:
+        if v["engine"] is None:
+            v["llm"] = LlamaCpp(v["threads"])
+            continue
         key = json.dumps(v["engine"], sort_keys=True)
         if key not in llms:
             llms[key] = LLM(
@@ -86,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 **v["engine"],
             )
         v["llm"] = llms[key]
-    first = variants[0]["llm"]
+    first = next(v["llm"] for v in variants if v["engine"] is not None)
     s1 = ThroughputSettings(
         model=args.model,
         num_prompts=args.batch_1_prompts,
@@ -101,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     reqs1 = build_requests(s1, first.tokenizer, vocab)
     reqsn = build_requests(sn, first.tokenizer, vocab)
     for v in variants:
-        warm_up(v["llm"], reqs1)
+        if v["engine"] is None:
+            v["llm"].batch1(reqs1[:1])
+        else:
+            warm_up(v["llm"], reqs1)
     results: dict[str, dict[str, list[float]]] = {
         v["name"]: {"batch1": [], "batched": []} for v in variants
     }
@@ -109,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             torch.set_num_threads(v["threads"] or default_threads)
-            path = v["attention"]
+            if v["engine"] is None:
+                one, many = v["llm"].batch1(reqs1), float("nan")
+                results[v["name"]]["batch1"].append(one)
+                results[v["name"]]["batched"].append(many)
+                print(f"repeat {r} {v['name']:>10}: batch1 {one:7.2f} tok/s", flush=True)
+                continue
+            path = v.get("attention")
             with env.override(cpu_attention=path) if path else contextlib.nullcontext():
                 try:
                     one = run_specserve(v["llm"], reqs1, s1).median_decode_tok_s
@@ -130,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {}
         for w in ("batch1", "batched"):
             vals, ref = results[v["name"]][w], results[base][w]
+            if any(x != x for x in vals + ref):  # llamacpp: batch 1 only
+                row[w] = None
+                continue
             med, lo, hi = median_interval([a / b for a, b in zip(vals, ref)])
             row[w] = {
                 "median_tok_s": statistics.median(vals),
@@ -138,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_interval_90": [lo, hi],
             }
         report["variants"][v["name"]] = row
+        if row["batched"] is None:
+            b1 = row["batch1"]
+            print(f"{v['name']:>10}: batch1 median {b1['median_tok_s']:7.2f} tok/s "
+                  f"(x{b1[f'median_ratio_vs_{base}']:.2f} {b1['ratio_interval_90']}) vs {base}")  # fmt: skip
+            continue
         print(
             f"{v['name']:>10}: batch1 median {row['batch1']['median_tok_s']:7.2f} tok/s "
             f"(x{row['batch1'][f'median_ratio_vs_{base}']:.2f} "
