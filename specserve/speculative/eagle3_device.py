@@ -57,7 +57,7 @@ class Eagle3DeviceDrafter:
             self._confidence,
             pool,
             self.head.config.hidden_size,
-            k0.k.dtype,
+            drafter.store.dtype,
             self.width,
             self.block_size,
             self.trash,
@@ -67,7 +67,7 @@ class Eagle3DeviceDrafter:
     def capture(self, backend) -> None:
         """CUDA graphs of the chained steps (after the target's: the head's rotary table is
         built for the chain's bound first)."""
-        self.head.rotary.table(self.chain.max_context_len, self.device, self.cache.k.dtype)
+        self.head.rotary.table(self.chain.max_context_len, self.device, self.inner.store.dtype)
         self.chain.capture(backend, lambda: self.head.rotary._table)
 
     def release(self, seq: Sequence) -> None:
