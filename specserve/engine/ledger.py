@@ -78,9 +78,6 @@ class StopRules(NamedTuple):
     min_tokens: int
     length_at: int  # LENGTH at this many output tokens (max_tokens or max_model_len)
     num_prompt: int
-    # no grammar, logprobs or prompt logprobs, and no stop strings: a step without drafts
-    # takes the ledger's one-token path
-    plain: bool
     # its text is made after its stop decisions (Ledger.fill_text): no stop strings read it
     text_later: bool
     per_token_text: bool  # text_later, streamed token by token (not decoded at its end only)
@@ -129,10 +126,6 @@ class Ledger:
             p.min_tokens,
             length_at,
             seq.num_prompt_tokens,
-            seq.grammar is None
-            and p.logprobs is None
-            and p.prompt_logprobs is None
-            and (detok is None or text_later),
             text_later,
             text_later and not detok.deferred,
         )
@@ -158,12 +151,6 @@ class Ledger:
         now = time.perf_counter()
         r = 0  # index among sampling requests
         row = 0  # first row of request r in the verify layout
-        # one-token path: a step without logprobs, for plain requests verifying no drafts
-        fast = res is not None and res.token_logprobs is None
-        sampled = res.sampled_token_ids if res is not None else ()
-        confs = res.draft_confidences if res is not None else None
-        acquire, jobs, finish = self.pool.acquire, self._text_jobs, self.sched.finish
-        block_size = self.sched.bm.block_size
         for seq, qlen, nd, samples, epoch in zip(
             batch.seqs, batch.query_lens, batch.num_drafts, batch.samples, batch.epochs
         ):
@@ -178,55 +165,21 @@ class Ledger:
             if not samples:  # mid-prefill chunk: all rows kept, nothing emitted
                 self._register_blocks(seq)
                 continue
+            assert res is not None
             rules = seq.stop_rules or self._rules(seq)
-            if fast and rules.plain and not nd:
-                # _push for one token and no logprobs, inline (the common decode step)
-                if seq.num_pending:
-                    seq.num_pending -= 1
-                tok = sampled[r]
-                token_ids = seq.token_ids
-                token_ids.append(tok)
-                n_out = len(token_ids) - rules.num_prompt
-                out = acquire(step)
-                out.request_id = seq.request_id
-                out.token_id = tok
-                out.index = n_out - 1
-                out.num_output_tokens = n_out
-                out.is_anchor = True
-                if confs is not None:
-                    out.draft_confidences = confs[r]
-                outputs.append(out)
-                self.num_generated_tokens += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason = stop_reason = None
-                if n_out > rules.min_tokens and tok in rules.stop_ids:
-                    reason = FinishReason.STOP
-                    stop_reason = None if tok in rules.eos else tok
-                elif n_out >= rules.length_at:
-                    reason = FinishReason.LENGTH
-                if rules.per_token_text or (reason is not None and rules.text_later):
-                    jobs.append(_TextJob(seq, (out,), n_out - 1))
-                if reason is not None:
-                    finish(seq, reason)
-                    seq.stop_reason = stop_reason
-                    self._finish_output(seq, out, text=not rules.text_later)
-                elif len(seq.block_table.hashes) < seq.num_computed_tokens // block_size:
-                    self._register_blocks(seq)
-            else:
-                num_tokens, num_outputs = len(seq.token_ids), len(outputs)
-                try:
-                    self._push(outputs, seq, qlen, nd, r, row, res, step, now, rules)
-                except OutputPoolExhausted:
-                    raise  # the engine's, not this request's
-                except Exception as e:
-                    # this request's tokens broke something on the host (detokenizer, stop
-                    # check): end it alone; its outputs of this step are dropped (the pool
-                    # takes them back with the step), and so are the tokens it appended; the
-                    # others' are untouched
-                    del seq.token_ids[num_tokens:]
-                    del outputs[num_outputs:]
-                    outputs.append(self.fail_request(seq, e, step))
+            num_tokens, num_outputs = len(seq.token_ids), len(outputs)
+            try:
+                self._push(outputs, seq, qlen, nd, r, row, res, step, now, rules)
+            except OutputPoolExhausted:
+                raise  # the engine's, not this request's
+            except Exception as e:
+                # this request's tokens broke something on the host (detokenizer, stop
+                # check): end it alone; its outputs of this step are dropped (the pool
+                # takes them back with the step), and so are the tokens it appended; the
+                # others' are untouched
+                del seq.token_ids[num_tokens:]
+                del outputs[num_outputs:]
+                outputs.append(self.fail_request(seq, e, step))
             r += 1
             row += seqlen_q
         if not defer_text:
