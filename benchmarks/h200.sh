@@ -6,7 +6,7 @@
 #   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
 #   path is gone in the next call unless carried again; /tmp stays)
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   eagle | steps | structured (default: decode)
+#   train-head-resume | eagle | steps | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -49,11 +49,21 @@ case ${1:-decode} in
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
   gguf1|gguf2|gguf3) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
-  train-head)  # the default model's EAGLE-3 head, trained on its own answers (~7 min)
-    join_gguf
-    $S train-head --out $TRAIN --num-prompts 5000 --max-num-seqs 256 --train-seconds 240 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --no-progress
-    cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
-    (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.") ;;
+  train-head|train-head-resume)  # the default model's EAGLE-3 head, trained on its own answers
+    # over two calls (~15 min): the first answers every training prompt and trains until its
+    # time limit, the second (train-head-resume) finishes training, calibrates and evaluates
+    # a machine lost between the calls loses /tmp: the first call also returns the answers
+    # (train_data.tgz, ~10 MB); carried back as .devcarry-train/, the second call retrains from them
+    join_gguf; R=; [ $1 = train-head-resume ] && R=--resume
+    if [ -n "$R" ] && [ ! -d $TRAIN/data ] && [ -f .devcarry-train/train_data.tgz ]; then
+      mkdir -p $TRAIN && tar xzf .devcarry-train/train_data.tgz -C $TRAIN
+    fi
+    $S train-head --out $TRAIN --num-prompts 14000 --max-num-seqs 512 --train-seconds 420 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 500 --no-progress $R
+    [ -z "$R" ] && tar czf "$OUT/train_data.tgz" -C $TRAIN data
+    if [ -f $TRAIN/report.json ]; then
+      cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
+      (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.")
+    fi ;;
   eagle)  # the trained head against no speculation, held-out chat and HumanEval prompts
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
