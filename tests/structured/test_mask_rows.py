@@ -138,3 +138,27 @@ def test_byte_table_mask_equals_the_bitwise_reference(vocab, every):
         else:
             want = logits[r]
         assert torch.equal(out[r], want)
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_masks_with_bias_and_bans_equal_the_reference_order(every):
+    """Every row masked (the copy and the mask's add fused) or some: the same logits as bias
+    first, then each mask set to -inf, in bf16 logits as a model returns them."""
+    from specserve.ops.logits_processing import LogitsProcessing, apply_logits_processing
+
+    gen = torch.Generator().manual_seed(1)
+    n, vocab = 3, 70
+    bits = torch.randint(-(2**31), 2**31 - 1, (n, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
+    bias = (torch.tensor([0, 2]), torch.tensor([5, 9]), torch.tensor([1.5, -2.0]))
+    banned = (torch.tensor([1]), torch.tensor([7]))
+    rows = None if every else torch.tensor([0, 2])
+    out = apply_logits_processing(logits, LogitsProcessing(bias, None, banned, (rows, bits)))
+    want = logits.float()
+    want[0, 5] += 1.5
+    want[2, 9] -= 2.0
+    want[1, 7] = float("-inf")
+    ban = bitmask_disallowed(bits, vocab)
+    for r in range(n) if every else (0, 2):
+        want[r] = want[r].masked_fill(ban[r], float("-inf"))
+    assert out.dtype == torch.float32 and torch.equal(out, want)
