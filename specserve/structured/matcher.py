@@ -111,6 +111,7 @@ class RequestGrammar:
         # _scratch holds the mask of the matcher's state as it stands (finished() filled it):
         # the next step's first row, copied instead of filled twice
         self.cached_row = False
+        self._terminating = frozenset(matcher.stop_token_ids)  # the matcher's own stop tokens
 
     # -- the ledger ---------------------------------------------------------------------------
     def advance(self, token: int) -> bool:
@@ -118,6 +119,8 @@ class RequestGrammar:
         self.cached_row = False
         if not self.m.accept_token(token):
             raise GrammarRejected(f"token {token} is not allowed by the request's grammar")
+        if token in self._terminating:
+            return True  # an accepted stop token terminates the matcher (no query needed)
         return self.finished()
 
     def finished(self) -> bool:

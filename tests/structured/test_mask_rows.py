@@ -162,3 +162,11 @@ def test_masks_with_bias_and_bans_equal_the_reference_order(every):
     for r in range(n) if every else (0, 2):
         want[r] = want[r].masked_fill(ban[r], float("-inf"))
     assert out.dtype == torch.float32 and torch.equal(out, want)
+
+
+def test_an_accepted_stop_token_finishes_the_grammar(backend, default_tokenizer):
+    """advance() answers from the token for a stop token; the matcher agrees it terminated."""
+    a = default_tokenizer.encode("a", add_special_tokens=False)[0]
+    g = backend.matcher(StructuredOutputsParams(regex="a|abc"))
+    assert not g.advance(a)  # complete, "bc" may follow
+    assert g.advance(2) and g.m.is_terminated()
