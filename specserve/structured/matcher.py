@@ -121,16 +121,18 @@ class RequestGrammar:
             raise GrammarRejected(f"token {token} is not allowed by the request's grammar")
         if token in self._terminating:
             return True  # an accepted stop token terminates the matcher (no query needed)
-        return self.finished()
+        # any other token leaves it running (only a stop token terminates it)
+        return self.m.is_completed() and self._only_stop_follows()
 
     def finished(self) -> bool:
         """Terminated (a stop token accepted), or complete with nothing but a stop token able to
         follow: the next token would be EOS with probability 1, so the request ends now."""
         if self.m.is_terminated():
             return True
-        if not self.m.is_completed():
-            return False
-        # complete (a JSON value closed; trailing whitespace may still follow): the full mask
+        return self.m.is_completed() and self._only_stop_follows()
+
+    def _only_stop_follows(self) -> bool:
+        # complete (a value closed; more may follow, e.g. digits of a number): the full mask
         # tells, and it is the next step's first row, so it is kept for that (cached_row)
         self.m.fill_next_token_bitmask(self._scratch, 0)
         rest = self._scratch.clone()
