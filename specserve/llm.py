@@ -409,6 +409,5 @@ class LLM:
             "structured_mask_steps": self.engine.grammars.stats.steps,
             "structured_mask_rows": self.engine.grammars.stats.rows,
             "structured_mask_seconds": self.engine.grammars.stats.seconds,
-            "structured_mask_background_seconds": self.engine.grammars.stats.background_seconds,
             "structured_grammars_compiled": self.engine.grammars.num_compiled,
         }

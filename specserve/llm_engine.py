@@ -440,21 +440,15 @@ class LLMEngine:
         if host is _FAILED:
             self._inflight = None  # rolled back with it: it read the failed step's tokens
             return []
-        prefill = newer.deferred.prefill if newer is not None and newer.deferred else None
-        self.ledger.prefill = prefill
         try:
             return self._commit(inflight, host, out_step, draft=False, defer_text=True)
         except BaseException:
-            if prefill is not None:
-                prefill.wait()  # no fill still reads a matcher once the step is undone
             if newer is not None and newer.deferred is not None:
                 # a ledger that failed midway plans no sampling: the step is undone
                 self._inflight = None
                 settle(newer)
                 self.scheduler.roll_back(newer.batch, undo_pending=False)
             raise
-        finally:
-            self.ledger.prefill = None
 
     def _finish_deferred(self, launched: LaunchedStep) -> None:
         """Queue a deferred step's sampling. Planning it fails like launching a step does (a

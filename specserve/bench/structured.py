@@ -107,7 +107,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"plain": [], "json": []}
     for r in range(args.repeats):
         for mode in ("plain", "json") if r % 2 == 0 else ("json", "plain"):
-            s0, rows0, sec0, bg0 = stats.steps, stats.rows, stats.seconds, stats.background_seconds
+            s0, rows0, sec0 = stats.steps, stats.rows, stats.seconds
             deferred0 = llm.engine.num_deferred_steps
             res = _closed_loop(llm, reqs[mode], args.concurrency)
             runs[mode].append(
@@ -120,10 +120,6 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "mask_steps": stats.steps - s0,
                     "mask_rows": stats.rows - rows0,
                     "mask_ms_per_step": 1e3 * (stats.seconds - sec0) / max(res.steps, 1),
-                    # filled in the background while the ledger ran (off the critical path)
-                    "mask_background_ms_per_step": 1e3
-                    * (stats.background_seconds - bg0)
-                    / max(res.steps, 1),
                     # overlap: steps whose sampling waited for the ledger of the one in flight
                     "deferred_steps": llm.engine.num_deferred_steps - deferred0,
                 }
@@ -146,9 +142,6 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
         "median_mask_share_of_plain_step": statistics.median(mask_share),
         "median_step_time_ratio_json_vs_plain": statistics.median(step_ratio),
         "median_mask_ms_per_step": statistics.median(j["mask_ms_per_step"] for j in runs["json"]),
-        "median_mask_background_ms_per_step": statistics.median(
-            j["mask_background_ms_per_step"] for j in runs["json"]
-        ),
         "median_plain_step_ms": statistics.median(p["step_ms"] for p in runs["plain"]),
         # what a grammar adds to a step, paired within each repeat
         "median_json_extra_step_ms": statistics.median(

@@ -11,8 +11,7 @@ N+1 holding such a request is launched in two parts:
     read, ledger N   the host appends N's tokens: grammar matchers and output tokens advance
     finish(N+1)      the plan's host-token half built, N+1's sampling queued behind its forward
 
-and the ledger and the bitmask fill run while the device computes N+1's forward. The grammar
-rows of N+1 are filled as the ledger goes, in a background thread (structured/prefill.py).
+and the ledger and the bitmask fill run while the device computes N+1's forward.
 
 The rest of the plan (RNG counters, min_tokens masks, golden rows, a device drafter's feed) is
 read at launch, as for any overlapped step: it counts the tokens of the step in flight as
@@ -34,7 +33,6 @@ from specserve.engine.ledger import HostStepResult
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
 from specserve.runner.step_sampler import SampledStep, SamplerPlan
-from specserve.structured.prefill import MaskPrefill
 
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
@@ -56,8 +54,6 @@ class _Deferred(NamedTuple):
     plan: SamplerPlan  # without its host-token half (StepSampler.plan(deferred=True))
     drafts: list[list[int]]  # of its sampling requests
     sample: Callable[[SamplerPlan], SampledStep | WorkerStep]  # queues the sampling
-    # its grammar rows, filled while the ledger of the step in flight runs (None: no grammar)
-    prefill: MaskPrefill | None = None
 
 
 @dataclass
@@ -144,10 +140,7 @@ class Launcher:
             return WorkerStep(worker.submit(run))
 
         if defer:
-            prefill = None
-            if any(s.grammar is not None for s in seqs):
-                prefill = MaskPrefill(seqs, drafts, eng.sampler.device)
-            step.deferred = _Deferred(p, drafts, sample, prefill)
+            step.deferred = _Deferred(p, drafts, sample)
             return step
         if p is not None:
             step.sampled = sample(p)
@@ -161,9 +154,7 @@ class Launcher:
         requests the ledger of the step before has just advanced. A request that ended there
         keeps its rows; the ledger discards them (StepSampler.complete leaves them alone)."""
         d = step.deferred
-        if d.prefill is not None:
-            d.prefill.finish()  # the rows the ledger handed over, all filled
-        plan = self.engine.sampler.complete(d.plan, step.seqs, d.drafts, d.prefill)
+        plan = self.engine.sampler.complete(d.plan, step.seqs, d.drafts)
         step.sampled = d.sample(plan)
         step.deferred = None
         self._queued(step, True, d.drafts)

@@ -20,7 +20,6 @@ from specserve.engine.outputs import (
 )
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
-from specserve.structured.prefill import MaskPrefill
 
 log = logging.getLogger("specserve.engine")
 
@@ -112,9 +111,6 @@ class Ledger:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._text_jobs: list[_TextJob] = []  # filled by fill_text()
-        # the deferred step launched behind the one being processed: its grammar rows are
-        # filled as this ledger pushes each request's tokens (structured/prefill.py)
-        self.prefill: MaskPrefill | None = None
 
     def _rules(self, seq: Sequence) -> StopRules:
         p, detok = seq.params, seq.detokenizer
@@ -174,8 +170,6 @@ class Ledger:
             num_tokens, num_outputs = len(seq.token_ids), len(outputs)
             try:
                 self._push(outputs, seq, qlen, nd, r, row, res, step, now, rules)
-                if self.prefill is not None and seq.grammar is not None and not seq.is_finished:
-                    self.prefill.ready(seq)
             except OutputPoolExhausted:
                 raise  # the engine's, not this request's
             except Exception as e:

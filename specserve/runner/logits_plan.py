@@ -19,7 +19,6 @@ from specserve.engine.sequence import Sequence
 from specserve.ops.logits_processing import LogitsProcessing
 from specserve.ops.transfer import h2d, pinned_empty, upload_pinned
 from specserve.structured.matcher import fill_step_rows
-from specserve.structured.prefill import MaskPrefill
 
 
 def bad_word_bans(words: Seq[Seq[int]], output: Seq[int], drafts: Seq[int]) -> list[list[int]]:
@@ -46,14 +45,10 @@ def bad_word_bans(words: Seq[Seq[int]], output: Seq[int], drafts: Seq[int]) -> l
 
 
 def plan_logits_processing(
-    seqs: list[Sequence],
-    drafts: list[list[int]],
-    device: torch.device,
-    prefill: MaskPrefill | None = None,
+    seqs: list[Sequence], drafts: list[list[int]], device: torch.device
 ) -> LogitsProcessing | None:
     """Flat row/column lists over the step's verify layout (request i owns rows
-    ftp[i] .. ftp[i] + len(drafts[i])). None when no request asks for any of it. prefill: the
-    grammar rows the ledger has had filled already (a deferred step)."""
+    ftp[i] .. ftp[i] + len(drafts[i])). None when no request asks for any of it."""
     if not any(s.params.has_logits_processing for s in seqs):
         return None
     bias_rows: list[int] = []
@@ -117,7 +112,7 @@ def plan_logits_processing(
         banned = (i64(ban_rows), i64(ban_cols))
     bitmask = None
     if grammar_rows:
-        bits = upload_pinned(grammar_bitmask(grammar_seqs, device, prefill), device)
+        bits = upload_pinned(grammar_bitmask(grammar_seqs, device), device)
         # every row masked (a batch of grammar requests): no index to upload or gather by
         bitmask = (None if len(grammar_rows) == row else i64(grammar_rows), bits)
     if bias is None and allowed is None and banned is None and bitmask is None:
@@ -126,28 +121,20 @@ def plan_logits_processing(
 
 
 def grammar_bitmask(
-    entries: list[tuple[Sequence, list[int], int]],
-    device: torch.device | None = None,
-    prefill: MaskPrefill | None = None,
+    entries: list[tuple[Sequence, list[int], int]], device: torch.device | None = None
 ) -> torch.Tensor:
     """[R, W] int32 host bitmask laid out by logit row (R = the last grammar row + 1; pinned
     for a CUDA `device`, so the upload copies it once, asynchronously): for each (request,
     drafts, first row), one row per verify row, its matcher advanced through the drafts before
     the row, then rolled back. Rows of no entry are left unset (the sampler never reads them).
     A request whose allowed_token_ids leave a row of its grammar nothing to sample ends here,
-    alone. With a prefill, the rows it filled are its (same layout); the others are filled now."""
+    alone."""
     t0 = time.perf_counter()
     first = entries[0][0].grammar
     rows = max(start + len(d) + 1 for _, d, start in entries)
-    todo = entries
-    if prefill is not None and prefill.bits is not None:
-        bits = prefill.bits[:rows]  # [R, W]
-        todo = [e for e in entries if id(e[0]) not in prefill.filled]
-    else:
-        bits = pinned_empty((rows, first.width), torch.int32, device)  # [R, W]
-    if todo:
-        grammars = [seq.grammar for seq, _, _ in todo]
-        fill_step_rows(grammars, [d for _, d, _ in todo], [s for _, _, s in todo], bits)
+    bits = pinned_empty((rows, first.width), torch.int32, device)  # [R, W]
+    grammars = [seq.grammar for seq, _, _ in entries]
+    fill_step_rows(grammars, [d for _, d, _ in entries], [s for _, _, s in entries], bits)
     for seq, d, start in entries:
         allowed = seq.params.allowed_token_ids
         if allowed is not None:

@@ -31,7 +31,6 @@ from specserve.runner.sampler_inputs import (
 )
 from specserve.sample.layout import RowLayout
 from specserve.sample.verify import VerifyResult, verify
-from specserve.structured.prefill import MaskPrefill
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -215,20 +214,15 @@ class StepSampler:
         )
 
     def complete(
-        self,
-        plan: SamplerPlan,
-        seqs: list[Sequence],
-        drafts: list[list[int]],
-        prefill: MaskPrefill | None = None,
+        self, plan: SamplerPlan, seqs: list[Sequence], drafts: list[list[int]]
     ) -> SamplerPlan:
         """A deferred plan's host-token half, built once the ledger has appended every token
-        before the step's rows (overlap: the step in flight read back); prefill: the grammar
-        rows filled while that ledger ran."""
-        processing, penalties = self._host_tokens(seqs, drafts, prefill)
+        before the step's rows (overlap: the step in flight read back)."""
+        processing, penalties = self._host_tokens(seqs, drafts)
         return plan._replace(processing=processing, penalties=penalties)
 
     def _host_tokens(
-        self, seqs: list[Sequence], drafts: list[list[int]], prefill: MaskPrefill | None = None
+        self, seqs: list[Sequence], drafts: list[list[int]]
     ) -> tuple[LogitsProcessing | None, PenaltyInputs | None]:
         """What reads the requests' output tokens on the host: logits processing (grammar
         bitmasks, bad words; logit bias and allowed ids come along) and penalty inputs."""
@@ -236,7 +230,7 @@ class StepSampler:
         if any(s.params.has_penalties for s in seqs):
             assert not any(s.num_pending for s in seqs), "penalties need every output token"
             penalties = self._penalty_inputs(seqs, drafts)
-        return plan_logits_processing(seqs, drafts, self.device, prefill), penalties
+        return plan_logits_processing(seqs, drafts, self.device), penalties
 
     def _feed(
         self,

@@ -22,9 +22,7 @@ class MaskStats:
 
     steps: int = 0  # steps with at least one grammar row
     rows: int = 0
-    seconds: float = 0.0  # on the engine's thread, the plan's fill (the rows left to it)
-    # in the background while a ledger ran (structured/prefill.py): off the critical path
-    background_seconds: float = 0.0
+    seconds: float = 0.0
 
     def record(self, rows: int, seconds: float) -> None:
         self.steps += 1

@@ -170,36 +170,3 @@ def test_an_accepted_stop_token_finishes_the_grammar(backend, default_tokenizer)
     g = backend.matcher(StructuredOutputsParams(regex="a|abc"))
     assert not g.advance(a)  # complete, "bc" may follow
     assert g.advance(2) and g.m.is_terminated()
-
-
-def test_rows_filled_during_the_ledger_equal_rows_filled_after(
-    backend, default_tokenizer, monkeypatch
-):
-    """MaskPrefill: rows handed over as the ledger goes (background chunks), the rest (a
-    request with drafts, one never handed over) filled by the plan: the same bitmask."""
-    from specserve.structured import prefill as prefill_mod
-
-    monkeypatch.setattr(prefill_mod, "CHUNK", 2)
-    ids = default_tokenizer.encode(TEXT, add_special_tokens=False)
-    seqs = [
-        SimpleNamespace(grammar=_matcher(backend, ids[:n]), params=SimpleNamespace(
-            allowed_token_ids=None)) for n in (0, 2, 3, 5, 6)
-    ]  # fmt: skip
-    drafts = [[], [], ids[3:5], [], []]
-    plain = SimpleNamespace(grammar=None)
-    order = [seqs[0], plain, seqs[1], seqs[2], seqs[3], seqs[4]]
-    order_drafts = [[], [], [], drafts[2], [], []]
-    pre = prefill_mod.MaskPrefill(order, order_drafts, torch.device("cpu"))
-    for s in (seqs[0], seqs[1], seqs[2], seqs[4]):  # seqs[3] never handed over
-        pre.ready(s)
-    pre.finish()
-    entries, row = [], 0
-    for s, d in zip(order, order_drafts):
-        if s.grammar is not None:
-            entries.append((s, d, row))
-        row += len(d) + 1
-    got = grammar_bitmask(entries, torch.device("cpu"), pre)
-    want = grammar_bitmask(entries, torch.device("cpu"))
-    for _, d, start in entries:
-        assert torch.equal(got[start : start + len(d) + 1], want[start : start + len(d) + 1])
-    assert id(seqs[2]) not in pre.filled and id(seqs[3]) not in pre.filled  # drafts / not ready
