@@ -9,7 +9,8 @@ version (PYTHONPATH = that version's tree), in alternating order (base first on 
 each writing its JSON report. A metric is read from both reports by --metric paths; the
 result per metric is the median of the per-repeat new/base ratios with its bootstrap interval
 (bench/report.py median_interval). Built-in metrics: host-profile's host_cpu_us mean per batch
-size, throughput's tokens/s figures.
+size, throughput's tokens/s figures, structured's step times (the JSON step's extra time over
+a plain step, paired within each report).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +37,15 @@ def metrics(report: dict[str, Any]) -> dict[str, float]:
             out[f"host_us_mean@{r['batch']}"] = r["host_us"]["mean"]
             for k, v in r["phases_mean_us"].items():
                 out[f"phase_{k}@{r['batch']}"] = v
+        return out
+
+    if report.get("benchmark") == "structured":
+        runs = report["runs"]
+        pairs = list(zip(runs["json"], runs["plain"]))
+        out["json_extra_step_ms"] = statistics.median(j["step_ms"] - p["step_ms"] for j, p in pairs)
+        out["json_step_ms"] = statistics.median(j["step_ms"] for j, _ in pairs)
+        out["plain_step_ms"] = statistics.median(p["step_ms"] for _, p in pairs)
+        out["mask_ms_per_step"] = report["median_mask_ms_per_step"]
         return out
 
     def walk(x: Any, path: str) -> None:  # throughput: every tokens-per-second figure

@@ -143,6 +143,10 @@ def run_structured_bench(args: argparse.Namespace) -> dict[str, Any]:
         "median_step_time_ratio_json_vs_plain": statistics.median(step_ratio),
         "median_mask_ms_per_step": statistics.median(j["mask_ms_per_step"] for j in runs["json"]),
         "median_plain_step_ms": statistics.median(p["step_ms"] for p in runs["plain"]),
+        # what a grammar adds to a step, paired within each repeat
+        "median_json_extra_step_ms": statistics.median(
+            j["step_ms"] - p["step_ms"] for j, p in zip(runs["json"], runs["plain"])
+        ),
         "mask_rows_per_step": statistics.median(rows),
     }
     print(

@@ -27,6 +27,23 @@ def h2d(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device)
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
+def pinned_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None
+) -> torch.Tensor:
+    """An uninitialised host tensor to fill and then upload_pinned to `device`: in pinned memory
+    for CUDA (torch's caching host allocator: no allocation once warm, and a block is reused
+    only after the copy from it has run), plain otherwise."""
+    pin = device is not None and device.type == "cuda"
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def upload_pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A pinned_empty tensor on `device`, copied without a host sync (no staging copy)."""
+    if device.type != "cuda":
+        return host
+    return host.to(device, non_blocking=True)
+
+
 _NP = {
     torch.int64: np.int64,
     torch.int32: np.int32,

@@ -17,8 +17,8 @@ import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.ops.logits_processing import LogitsProcessing
-from specserve.ops.transfer import h2d
-from specserve.structured.matcher import fill_first_rows
+from specserve.ops.transfer import h2d, pinned_empty, upload_pinned
+from specserve.structured.matcher import fill_step_rows
 
 
 def bad_word_bans(words: Seq[Seq[int]], output: Seq[int], drafts: Seq[int]) -> list[list[int]]:
@@ -92,7 +92,7 @@ def plan_logits_processing(
                 ban_cols.extend(banned)
         if seq.grammar is not None:
             assert not seq.num_pending, "a grammar needs every output token on the host"
-            grammar_seqs.append((seq, d, len(grammar_rows)))
+            grammar_seqs.append((seq, d, row))
             grammar_rows.extend(range(row, row + n))
         row += n
 
@@ -112,34 +112,37 @@ def plan_logits_processing(
         banned = (i64(ban_rows), i64(ban_cols))
     bitmask = None
     if grammar_rows:
-        bitmask = (i64(grammar_rows), h2d(grammar_bitmask(grammar_seqs), torch.int32, device))
+        bits = upload_pinned(grammar_bitmask(grammar_seqs, device), device)
+        # every row masked (a batch of grammar requests): no index to upload or gather by
+        bitmask = (None if len(grammar_rows) == row else i64(grammar_rows), bits)
     if bias is None and allowed is None and banned is None and bitmask is None:
         return None
     return LogitsProcessing(bias, allowed, banned, bitmask)
 
 
-def grammar_bitmask(entries: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
-    """[G, W] int32 host bitmask: for each request, one row per verify row (its matcher
-    advanced through the drafts before the row, then rolled back). A request whose
-    allowed_token_ids leave a row of its grammar nothing to sample ends here, alone."""
+def grammar_bitmask(
+    entries: list[tuple[Sequence, list[int], int]], device: torch.device | None = None
+) -> torch.Tensor:
+    """[R, W] int32 host bitmask laid out by logit row (R = the last grammar row + 1; pinned
+    for a CUDA `device`, so the upload copies it once, asynchronously): for each (request,
+    drafts, first row), one row per verify row, its matcher advanced through the drafts before
+    the row, then rolled back. Rows of no entry are left unset (the sampler never reads them).
+    A request whose allowed_token_ids leave a row of its grammar nothing to sample ends here,
+    alone."""
     t0 = time.perf_counter()
     first = entries[0][0].grammar
-    rows = sum(len(d) + 1 for _, d, _ in entries)
-    bits = torch.empty(rows, first.width, dtype=torch.int32)  # [G, W]
-    # requests without drafts (all of them in plain decoding) in one multithreaded call
-    plain = [(seq.grammar, start) for seq, d, start in entries if not d]
-    if plain:
-        fill_first_rows([g for g, _ in plain], bits, [start for _, start in plain])
+    rows = max(start + len(d) + 1 for _, d, start in entries)
+    bits = pinned_empty((rows, first.width), torch.int32, device)  # [R, W]
+    grammars = [seq.grammar for seq, _, _ in entries]
+    fill_step_rows(grammars, [d for _, d, _ in entries], [s for _, _, s in entries], bits)
     for seq, d, start in entries:
-        g = seq.grammar
-        if d:
-            g.fill_rows(bits, start, d)
         allowed = seq.params.allowed_token_ids
         if allowed is not None:
+            g = seq.grammar
             for j in range(len(d) + 1):
                 if not any(g.allows(bits, start + j, t) for t in allowed):
                     raise ValueError(
                         f"{seq.request_id}: no token allowed_token_ids permits fits the grammar"
                     )
-    first.stats.record(rows, time.perf_counter() - t0)
+    first.stats.record(sum(len(d) + 1 for _, d, _ in entries), time.perf_counter() - t0)
     return bits

@@ -33,19 +33,65 @@ class MaskStats:
 _BATCH: Any = None  # one xgrammar.BatchGrammarMatcher: its thread pool fills many rows at once
 
 
-def fill_first_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """bitmask[rows[i]] = the mask of grammars[i] as it stands (no drafts), all requests in one
-    call that xgrammar spreads over its threads: at 64 requests one at a time costs ~12 us a
-    row on one core, on the critical path of every step."""
+def _fill(matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """bitmask[rows[i]] = the mask of matchers[i], in one call that xgrammar spreads over its
+    threads: at 64 requests one at a time costs ~12 us a row on one core."""
     global _BATCH
-    if len(grammars) == 1:
-        grammars[0].m.fill_next_token_bitmask(bitmask, rows[0])
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         return
     if _BATCH is None:
         import xgrammar
 
         _BATCH = xgrammar.BatchGrammarMatcher("auto")
-    _BATCH.batch_fill_next_token_bitmask([g.m for g in grammars], bitmask, rows)
+    _BATCH.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
+def fill_step_rows(
+    grammars: list[RequestGrammar],
+    drafts: list[list[int]],
+    firsts: list[int],
+    bitmask: torch.Tensor,  # [R, W] int32
+) -> None:
+    """bitmask[firsts[i] + j] = the mask of grammars[i] after drafts[i][:j], for j = 0 ..
+    len(drafts[i]): RequestGrammar.fill_rows for every request at once, one batched fill per
+    draft depth (a step without drafts: one call for all its rows) and one batched accept of
+    the drafts between depths. The matchers are left as they were. A row the ledger filled
+    already (RequestGrammar.finished, a complete grammar) is copied, not filled again."""
+    import xgrammar
+
+    batch = xgrammar.BatchGrammarMatcher
+    accepted = [0] * len(grammars)
+    live = list(range(len(grammars)))  # requests whose row `depth` is reached
+    depth = 0
+    while live:
+        fill = []
+        for i in live:
+            g = grammars[i]
+            if depth == 0 and g.cached_row:
+                bitmask[firsts[i]] = g._scratch[0]
+            else:
+                fill.append(i)
+        if fill:
+            _fill([grammars[i].m for i in fill], bitmask, [firsts[i] + depth for i in fill])
+        stepping = [i for i in live if depth < len(drafts[i])]
+        live = []
+        if stepping:
+            ms = [grammars[i].m for i in stepping]
+            ok = batch.batch_accept_token(ms, [drafts[i][depth] for i in stepping])
+            for i, m, a in zip(stepping, ms, ok):
+                accepted[i] += a
+                if a and not m.is_terminated():
+                    live.append(i)
+                    continue
+                # past a rejected draft or a stop token: never reached (that draft is
+                # rejected, or the request stops there), but never empty either
+                at = firsts[i] + depth
+                bitmask[at + 1 : firsts[i] + len(drafts[i]) + 1] = bitmask[at]
+        depth += 1
+    back = [(g.m, n) for g, n in zip(grammars, accepted) if n]
+    if back:
+        batch.batch_rollback([m for m, _ in back], [n for _, n in back])
 
 
 class GrammarRejected(ValueError):
@@ -62,25 +108,38 @@ class RequestGrammar:
         self.stop_ids = stop_ids
         self.stats = stats if stats is not None else MaskStats()
         self._scratch = torch.zeros(1, width, dtype=torch.int32)
+        # _scratch holds the mask of the matcher's state as it stands (finished() filled it):
+        # the next step's first row, copied instead of filled twice
+        self.cached_row = False
+        self._terminating = frozenset(matcher.stop_token_ids)  # the matcher's own stop tokens
 
     # -- the ledger ---------------------------------------------------------------------------
     def advance(self, token: int) -> bool:
         """Accept an emitted token. True when the grammar is now finished (the request stops)."""
+        self.cached_row = False
         if not self.m.accept_token(token):
             raise GrammarRejected(f"token {token} is not allowed by the request's grammar")
-        return self.finished()
+        if token in self._terminating:
+            return True  # an accepted stop token terminates the matcher (no query needed)
+        # any other token leaves it running (only a stop token terminates it)
+        return self.m.is_completed() and self._only_stop_follows()
 
     def finished(self) -> bool:
         """Terminated (a stop token accepted), or complete with nothing but a stop token able to
         follow: the next token would be EOS with probability 1, so the request ends now."""
         if self.m.is_terminated():
             return True
-        if not self.m.is_completed():
-            return False
+        return self.m.is_completed() and self._only_stop_follows()
+
+    def _only_stop_follows(self) -> bool:
+        # complete (a value closed; more may follow, e.g. digits of a number): the full mask
+        # tells, and it is the next step's first row, so it is kept for that (cached_row)
         self.m.fill_next_token_bitmask(self._scratch, 0)
+        rest = self._scratch.clone()
         for s in self.stop_ids:
-            self._scratch[0, s // 32] &= ~(1 << (s % 32))
-        return not bool(self._scratch.any())
+            rest[0, s // 32] &= ~(1 << (s % 32))
+        self.cached_row = bool(rest.any())
+        return not self.cached_row
 
     # -- drafts -------------------------------------------------------------------------------
     def valid_prefix(self, drafts: list[int]) -> int:

@@ -116,3 +116,30 @@ def test_no_host_sync_inside_a_step_with_processing(cuda: torch.device) -> None:
             eng.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_grammar_mask_kernel_equals_the_torch_path(cuda: torch.device, every: bool) -> None:
+    """xgrammar's Triton bitmask kernel (SPECSERVE_GRAMMAR_MASK_OP=auto on CUDA) masks exactly
+    what the byte-table path masks, ids past the bitmask included, without a host sync."""
+    if cuda.type != "cuda":
+        pytest.skip("xgrammar's kernel wrapper needs a CUDA device")
+    from specserve.ops import logits_processing
+    from specserve.ops.logits_processing import apply_bitmask_
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 128256 + 64  # 64 ids past the bitmask's 4008 words
+    bits = torch.randint(-(2**31), 2**31 - 1, (9, 4008), dtype=torch.int32, generator=gen)
+    logits = torch.randn(9, vocab, generator=gen).to(cuda)
+    bits = bits.to(cuda)
+    rows = None if every else torch.tensor([0, 3, 4, 8], device=cuda)
+    with override(grammar_mask_op="torch"):
+        want = apply_bitmask_(logits.clone(), rows, bits)
+    apply_bitmask_(logits.clone(), rows, bits)  # Triton compiles the kernel at its first call
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = apply_bitmask_(logits.clone(), rows, bits)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not logits_processing.kernel_failed  # the kernel ran, not the fallback
+    assert torch.equal(got, want)

@@ -109,13 +109,19 @@ def test_bitmask_unpacks_to_the_allowed_tokens(vocab):
     for r, toks in enumerate(allowed):
         assert set((~ban[r]).nonzero().flatten().tolist()) == set(toks)
     logits = torch.randn(5, vocab)
+    by_row = torch.full((5, 2), 0x5555, dtype=torch.int32)  # rows 0 and 2: never read
+    by_row[[1, 3, 4]] = bits
     out = apply_logits_processing(
-        logits, LogitsProcessing(None, None, None, (torch.tensor([1, 3, 4]), bits))
+        logits, LogitsProcessing(None, None, None, (torch.tensor([1, 3, 4]), by_row))
     )
     assert torch.equal(out[[0, 2]], logits[[0, 2]])  # rows without a grammar untouched
     for r, row in zip(range(3), (1, 3, 4)):
         keep = torch.isfinite(out[row]).nonzero().flatten().tolist()
         assert keep == allowed[r] and torch.equal(out[row, keep], logits[row, keep])
+    every = apply_logits_processing(logits[:3], LogitsProcessing(None, None, None, (None, bits)))
+    for r in range(3):  # rows None: every row masked by its own bits row
+        keep = torch.isfinite(every[r]).nonzero().flatten().tolist()
+        assert keep == allowed[r] and torch.equal(every[r, keep], logits[r, keep])
 
 
 def test_batched_first_rows_equal_one_at_a_time(backend, tok):
