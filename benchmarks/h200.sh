@@ -71,8 +71,8 @@ case ${1:-decode} in
   steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5 (~3 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
     python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
-  structured)  # grammar-mask cost at 64 requests
-    $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
-    $S bench structured --model dummy:smollm2-135m --concurrency 64 --repeats 5 --dtype bfloat16 --kv-cache-gb 4 --json "$OUT/structured_smollm2.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | eagle | structured)" >&2; exit 2 ;;
+  structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
+    $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
+    python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-head-resume | eagle | steps | structured)" >&2; exit 2 ;;
 esac
