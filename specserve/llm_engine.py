@@ -334,8 +334,8 @@ class LLMEngine:
         """Drop a finished request whose final output has been handed out."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            if self.drafter is not None:
-                self.drafter.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
             if self.device_drafting is not None:
                 self.device_drafting.release(seq)
         return seq

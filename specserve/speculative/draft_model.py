@@ -3,7 +3,8 @@
 Its KV cache has its own tensors but shares the target's block tables: position p of a request
 lives in the same block/offset in both caches. So the target's allocation, prefix-cache reuse,
 preemption and rollback apply to the draft KV too, and "rolling back to the accepted prefix" is
-just lowering the request's mark of valid draft KV (DraftKVMarks): the next catch-up rewrites the rest.
+just reading the request's mark of valid draft KV against its tokens (DraftKVMarks): the next
+catch-up rewrites the rest, however many steps passed without drafting.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ class DraftModelDrafter:
         self._marks = DraftKVMarks()  # valid positions of the draft model's KV, per request
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self._marks.observe(seq)
+        pass  # the marks read the outcome from the request's tokens (DraftKVMarks)
 
     def release(self, seq: Sequence) -> None:
         self._marks.release(seq)
 
-    def confidence_samples(self) -> float | None:
-        return None  # confidences are the draft model's probabilities
+    def plan_confidences(self, seq: Sequence, k: int) -> list[float] | None:
+        return None  # the draft model's probabilities, with its drafts
 
     @torch.inference_mode()
     def propose(
@@ -107,6 +108,6 @@ class DraftModelDrafter:
                 starts[i] = seqs[i].num_tokens + j
         for i in active:
             seq = seqs[i]
-            # fed: the catch-up through num_tokens - 1, then drafts 1..k-1
-            self._marks.set(seq, seq.num_tokens + len(drafts[i]) - 1)
+            # fed: the catch-up through num_tokens - 1, then drafts 1..k-1 from num_tokens on
+            self._marks.set(seq, seq.num_tokens, drafts[i][:-1])
         return list(zip(drafts, confs))

@@ -17,8 +17,9 @@ class Drafter(Protocol):
     def propose(
         self, seqs: list[Sequence], limits: list[int]
     ) -> list[tuple[list[int], list[float]]]:
-        """Up to limits[i] drafts for each request, with a confidence per draft. Drafters with
-        q write it into the slot pool rows of each request's slot."""
+        """Up to limits[i] drafts for each request, with a confidence per draft (limits[i] = 0:
+        none, and no work done for it). Drafters with q write it into the slot pool rows of
+        each request's slot."""
         ...
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
@@ -27,32 +28,40 @@ class Drafter(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
-    def confidence_samples(self) -> float | None:
-        """How many verifications the engine-wide confidence of a first draft rests on, for a
-        drafter whose confidences are learned from outcomes (n-gram); None when they are given
-        (a draft model's probabilities, the golden rate)."""
+    def plan_confidences(self, seq: Sequence, k: int) -> list[float] | None:
+        """The confidences of a request's next k drafts, known before drafting them (n-gram:
+        its acceptance estimate; golden: the dialled rate), for the verify budget's plan; None
+        for a drafter whose confidences come with its drafts (a model's probabilities): the
+        plan then uses those of its most recent drafts (speculator.py)."""
         ...
 
 
 class DraftKVMarks:
-    """Per request, how many positions of a model drafter's own KV are valid, and the preemption
-    count they were computed under (a preemption frees the blocks they lived in)."""
+    """Per request, which positions of a model drafter's own KV are valid: those before `done`
+    hold the request's tokens, those from `done` on the drafts `fed` there, valid as far as they
+    equal the tokens the request has since committed (an accepted draft's KV is kept, a
+    rejected one's is rewritten). Read against the tokens, never told the outcome: a request
+    that skipped drafting, or whose drafts the step verified only in part, is right by
+    construction. And the preemption count they were computed under (a preemption frees the
+    blocks they lived in)."""
 
     def __init__(self) -> None:
-        self._marks: dict[str, tuple[int, int]] = {}
+        self._marks: dict[str, tuple[int, list[int], int]] = {}
 
     def valid(self, seq: Sequence) -> int:
-        done, pre = self._marks.get(seq.request_id, (0, seq.num_preemptions))
-        return done if pre == seq.num_preemptions else 0
+        mark = self._marks.get(seq.request_id)
+        if mark is None or mark[2] != seq.num_preemptions:
+            return 0
+        done, fed, _ = mark
+        tokens = seq.token_ids
+        for t in fed:
+            if done >= len(tokens) or tokens[done] != t:
+                break
+            done += 1
+        return done
 
-    def set(self, seq: Sequence, done: int) -> None:
-        self._marks[seq.request_id] = (done, seq.num_preemptions)
-
-    def observe(self, seq: Sequence) -> None:
-        """Drafts past the accepted prefix were rejected: their positions are stale. The last
-        token (the sampled one) sits at num_tokens - 1 and was never fed to the drafter."""
-        done, pre = self._marks.get(seq.request_id, (0, seq.num_preemptions))
-        self._marks[seq.request_id] = (min(done, seq.num_tokens - 1), pre)
+    def set(self, seq: Sequence, done: int, fed: list[int] | None = None) -> None:
+        self._marks[seq.request_id] = (done, fed or [], seq.num_preemptions)
 
     def release(self, seq: Sequence) -> None:
         self._marks.pop(seq.request_id, None)

@@ -8,8 +8,9 @@ position (a prefill chunk, an overlapped plain step, a verify step) left its g b
 
 Head position p feeds (token p + 1, g_p) and predicts token p + 2. Its KV cache (one layer) also
 shares the target's block tables; positions [0, computed) of it are valid. Drafting for a
-request with N tokens: a catch-up over positions [computed, N - 2] (the tokens accepted since
-the last round; the last of them yields draft 1), then k - 1 chained steps, each at the next
+request with N tokens: a catch-up over positions [computed, N - 2] (the tokens committed since
+it last drafted, however many plain steps passed: they stored their g too; the last of them
+yields draft 1), then k - 1 chained steps, each at the next
 position feeding the draft just made and the previous step's pre-norm output as its hidden.
 The chained positions hold speculative inputs, so `computed` ends at N - 1 whatever is accepted:
 the next round rewrites them from the target's own g. A preemption frees the blocks (store and
@@ -97,13 +98,13 @@ class Eagle3Drafter:
         self.store.index_copy_(0, slots, self.head.fc(rows).to(self.store.dtype))
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self._marks.observe(seq)
+        pass  # the chain's positions are rewritten by the next catch-up whatever is accepted
 
     def release(self, seq: Sequence) -> None:
         self._marks.release(seq)
 
-    def confidence_samples(self) -> float | None:
-        return None  # confidences come from the head
+    def plan_confidences(self, seq: Sequence, k: int) -> list[float] | None:
+        return None  # the head's, with its drafts
 
     def _run(
         self, inputs: StepInputs, hidden: torch.Tensor

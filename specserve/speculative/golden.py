@@ -61,5 +61,5 @@ class GoldenDrafter:
     def release(self, seq: Sequence) -> None:
         self._right.pop(seq.request_id, None)
 
-    def confidence_samples(self) -> float | None:
-        return None  # the acceptance rate is given
+    def plan_confidences(self, seq: Sequence, k: int) -> list[float] | None:
+        return [self.rate] * k  # the dialled rate

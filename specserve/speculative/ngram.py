@@ -69,5 +69,5 @@ class NgramDrafter:
         self._index.pop(seq.request_id, None)
         self.acceptance.release(seq.request_id)
 
-    def confidence_samples(self) -> float | None:
-        return self.acceptance.global_rates.samples(0)
+    def plan_confidences(self, seq: Sequence, k: int) -> list[float] | None:
+        return self.acceptance.confidences(seq.request_id, k)

@@ -1,20 +1,23 @@
-"""Host drafting (overlap off, or SPECSERVE_DEVICE_DRAFTS=0): drafting the next step into the
-slot pool after the ledger, the verify budget's trim, and which steps may run overlapped. With
-overlap the drafters draft on the device instead (device_drafting.py) and none of this runs.
+"""Host drafting (overlap off, or SPECSERVE_DEVICE_DRAFTS=0): the verify budget's plan of each
+request's drafts, drafting them into the slot pool after the ledger, and which steps may run
+overlapped. With overlap the drafters draft on the device instead (device_drafting.py) and none
+of this runs.
 
 A host-side drafter needs each step's tokens on the host, so a step that verifies drafts runs
-synchronously; a step without drafts (the budget kept none, or no request can draft) overlaps.
+synchronously; a step without drafts (the budget planned none, or no request can draft) overlaps.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
+from specserve.speculative.verify_budget import survivals
 from specserve.structured.drafts import truncate_drafts
 
 if TYPE_CHECKING:
@@ -27,6 +30,8 @@ class Speculator:
         self.engine = engine
         self.drafter = engine.drafter
         self.pool = engine.slot_pool
+        # request id -> [k] confidences of its most recent drafts per position (model drafters)
+        self._confidences: dict[str, np.ndarray] = {}
 
     def may_overlap(self, in_flight: bool) -> bool:
         """Can the next step run overlapped? Only a step that verifies drafts needs the
@@ -78,7 +83,10 @@ class Speculator:
 
     def propose(self) -> None:
         """Drafts for the next step, into each running request's slot. Only requests whose
-        prompt is fully computed draft (their next step is a decode/verify step)."""
+        prompt is fully computed draft (their next step is a decode/verify step). With the verify
+        budget the plan comes first: each request drafts only the drafts the next step will
+        verify, and a request planned at 0 is not drafted for at all, so a step whose plan is
+        empty costs what a plain step costs (the curve prices each step with its drafting)."""
         eng, pool = self.engine, self.pool
         ready = []
         for s in eng.scheduler.running:
@@ -87,18 +95,58 @@ class Speculator:
                 ready.append(s)
         if not ready:
             return
-        limits = []
-        for s in ready:
-            room = min(pool.k, eng.max_model_len - s.num_tokens)
-            if s.params.max_tokens is not None:
-                room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
-            limits.append(max(0, room))
-        proposals = self.drafter.propose(ready, limits)
-        # structured outputs: drafts past the first one a grammar rejects are never verified
-        proposals = truncate_drafts(ready, proposals, keep_rejected=self.drafter.has_q)
+        limits = [self._room(s) for s in ready]
         if eng.budget is not None:
-            # this round's confidences: the drafter ran just now on the step just processed
-            keep = eng.budget.trim(ready, [d for d, _ in proposals], [c for _, c in proposals])
-            proposals = [(d[:m], c[:m]) for (d, c), m in zip(proposals, keep)]
-        for s, (d, conf) in zip(ready, proposals):
+            limits = eng.budget.allot(survivals(self._plan_confidences(ready)), len(ready), limits)
+        drafting = [(s, m) for s, m in zip(ready, limits) if m > 0]
+        if not drafting:
+            return
+        seqs = [s for s, _ in drafting]
+        proposals = self.drafter.propose(seqs, [m for _, m in drafting])
+        for s, (_, conf) in zip(seqs, proposals):
+            self._remember(s, conf)
+        # structured outputs: drafts past the first one a grammar rejects are never verified
+        proposals = truncate_drafts(seqs, proposals, keep_rejected=self.drafter.has_q)
+        for s, (d, conf) in zip(seqs, proposals):
             pool.put(s.slot, d, conf)
+
+    def _room(self, s: Sequence) -> int:
+        """The most drafts a request may verify next step: k, max_model_len, max_tokens."""
+        room = min(self.pool.k, self.engine.max_model_len - s.num_tokens)
+        if s.params.max_tokens is not None:
+            room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
+        return max(0, room)
+
+    def _plan_confidences(self, ready: list[Sequence]) -> np.ndarray:
+        """[n, k] the confidences each request's next drafts are planned with, before drafting
+        them: the drafter's own where it knows them up front (n-gram: its acceptance estimate;
+        golden: the dialled rate), else those its most recent drafts came with (a model
+        drafter's, one round old, as device drafting plans from), 1 where a position was never
+        drafted (verify, to learn).
+
+        How a request planned at 0 learns again, by construction: it is never drafted for (a
+        probe of even one head step would make its step dearer than a plain one), so its
+        confidences stay as they were until the budget's exploration (every EXPLORE_EVERY-th
+        plan, one request in turn) drafts all its room and measures them anew; an estimate
+        learned from outcomes also moves with the other requests' verifications."""
+        k = self.pool.k
+        conf = np.ones((len(ready), k))
+        for i, s in enumerate(ready):
+            c = self.drafter.plan_confidences(s, k)
+            if c is None:
+                c = self._confidences.get(s.request_id)
+            if c is not None:
+                conf[i, : len(c)] = c[:k]
+        return conf
+
+    def _remember(self, s: Sequence, conf: list[float]) -> None:
+        """A model drafter's newest confidences for its next plan; positions it did not draft
+        this round keep their older ones."""
+        c = self._confidences.get(s.request_id)
+        if c is None:
+            c = self._confidences[s.request_id] = np.ones(self.pool.k)
+        c[: len(conf)] = conf
+
+    def release(self, seq: Sequence) -> None:
+        self.drafter.release(seq)
+        self._confidences.pop(seq.request_id, None)

@@ -23,12 +23,12 @@ API (survivals on the host as numpy [n, k]; split_rows also takes torch tensors 
       .choose_total(surv, base_rows, room=None) -> int       M alone
       .observe_step(total_q, seconds)                        a real step refines the curve
       .allot(surv, base_rows, room=None) -> list[int]        the drafts each request verifies
-          (choose, exploration, the metrics below). Device drafters (overlap): the host sizes
-          step N+1 by the confidences read back from step N-1 (one step old: N, which drafts
-          for N+1, is still in flight); the device fills each request's rows with the newest
-          drafts.
-      .trim(ready, drafts, confs) -> list[int]               host drafters: allot() from the
-          fresh confidences of the drafts just proposed
+          (choose, exploration, the metrics below), planned before drafting. Device drafters
+          (overlap): the host sizes step N+1 by the confidences read back from step N-1 (one
+          step old: N, which drafts for N+1, is still in flight); the device fills each
+          request's rows with the newest drafts. Host drafters (speculator.py): from the
+          confidences of each request's previous drafts; each request then drafts only its
+          allotment, none at 0.
       metrics: offered_rows, chosen_rows, expected_accepted, seqlens_q()
 
 Monotone: with a non-decreasing curve, scaling all survivals up by a common factor never lowers
@@ -49,13 +49,13 @@ from specserve.runner.cuda_graph import capture_sizes
 from specserve.speculative.step_cost import StepCostCurve, startup_curve
 
 if TYPE_CHECKING:
-    from specserve.engine.sequence import Sequence as Request
     from specserve.llm_engine import LLMEngine
 
-# every EXPLORE_EVERY-th trim verifies all drafts of one request (in turns) whatever the choice:
-# drafters whose confidences are learned from outcomes (n-gram) learn only from verified drafts,
-# and the curve only from steps that run, so a pessimistic start would otherwise never be
-# corrected. One request's k rows: a small share of any step with more than a few requests.
+# every EXPLORE_EVERY-th allot verifies all drafts of one request (in turns) whatever the choice:
+# confidences are learned only from drafts that are made and verified (a model drafter's from
+# its drafts, n-gram's from outcomes), and the curve only from steps that run, so a pessimistic
+# start would otherwise never be corrected. One request's k rows: a small share of any step
+# with more than a few requests.
 EXPLORE_EVERY = 16
 
 
@@ -113,8 +113,8 @@ def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
 class VerifyBudget:
     def __init__(self, curve: StepCostCurve, max_rows: int) -> None:
         self.curve, self.max_rows = curve, max_rows
-        self.offered_rows = 0  # drafts proposed to trim()
-        self.chosen_rows = 0  # drafts it kept
+        self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
+        self.chosen_rows = 0  # draft rows it chose
         self.expected_accepted = 0.0  # the survivals of the kept drafts
         self._kept: Counter[int] = Counter()  # requests by drafts kept
         self._calls = 0
@@ -142,31 +142,16 @@ class VerifyBudget:
     def observe_step(self, total_q: int, seconds: float) -> None:
         self.curve.observe(total_q, seconds)
 
-    def trim(
-        self, ready: list[Request], drafts: list[list[int]], confs: list[list[float]]
-    ) -> list[int]:
-        """How many of its drafts each ready (decoding) request verifies next step, from fresh
-        confidences (host drafters, synchronous steps)."""
-        lens = [len(d) for d in drafts]
-        conf = np.zeros((len(drafts), max(lens, default=0)))
-        for i, (c, m) in enumerate(zip(confs, lens)):
-            c = c[:m]
-            conf[i, : len(c)] = c
-        # zero past each request's drafts
-        return self.allot(survivals(conf), len(ready), offered=sum(lens))
-
     def allot(
         self,
         surv: np.ndarray,
         base_rows: int,
         room: Sequence[int] | None = None,
-        offered: int | None = None,
     ) -> list[int]:
         """The drafts each request verifies: choose() against the curve, every EXPLORE_EVERY-th
         call one request's drafts all verified, the metrics kept. The step is priced as the
         decode step of these requests: prompt chunks beside it are work the run does anyway,
-        so a draft row costs the run one row either way. offered: the drafts proposed (for the
-        metrics; default: those of nonzero survival)."""
+        so a draft row costs the run one row either way."""
         if room is not None:
             k = surv.shape[1]
             surv = np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
@@ -175,7 +160,7 @@ class VerifyBudget:
         if self._calls % EXPLORE_EVERY == 0:
             self._explore(surv, keep, base_rows)
         kept = np.arange(surv.shape[1])[None, :] < np.asarray(keep, dtype=np.int64)[:, None]
-        self.offered_rows += int(np.count_nonzero(surv > 0.0)) if offered is None else offered
+        self.offered_rows += int(np.count_nonzero(surv > 0.0))
         self.chosen_rows += sum(keep)
         self.expected_accepted += float(surv[kept].sum())
         self._kept.update(keep)

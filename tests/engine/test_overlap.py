@@ -194,7 +194,7 @@ def make_host_drafting_llm(**kw):
 
 
 def test_steps_whose_drafts_the_budget_drops_run_overlapped_and_stay_lossless(monkeypatch):
-    """With a host drafter, a step for which the verify budget keeps no drafts runs overlapped
+    """With a host drafter, a step for which the verify budget plans no drafts runs overlapped
     (plain decoding); a step that verifies drafts runs synchronously. Greedy outputs equal the
     synchronous engine's and speculation off."""
     prompts = prompts_of([12, 30, 8, 21])
@@ -208,11 +208,11 @@ def test_steps_whose_drafts_the_budget_drops_run_overlapped_and_stay_lossless(mo
     assert not eng.overlap and eng.overlap_when_paused
     calls = []
 
-    def trim(ready, drafts, confs):  # the budget says "no drafts" except every third call
-        calls.append(len(ready))
-        return [len(d) if len(calls) % 3 == 0 else 0 for d in drafts]
+    def allot(surv, base_rows, room=None):  # the plan is "no drafts" except every third call
+        calls.append(base_rows)
+        return list(room) if len(calls) % 3 == 0 else [0] * len(room)
 
-    monkeypatch.setattr(eng.budget, "trim", trim)
+    monkeypatch.setattr(eng.budget, "allot", allot)
     kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     assert _run(llm, prompts, sp) == want
     assert any(o for o, _ in kinds), "no step ran overlapped"
@@ -227,7 +227,7 @@ def test_steps_with_drafts_run_synchronously_and_only_they(monkeypatch):
     golden = {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.5}
     llm = make_host_drafting_llm(max_num_seqs=4, overlap=True, speculative_config=golden)
     eng = llm.engine
-    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [len(x) for x in d])
+    monkeypatch.setattr(eng.budget, "allot", lambda surv, base_rows, room=None: list(room))
     kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     for i, prompt in enumerate(prompts_of([9, 14, 6])):  # one request after another
         gold = [(31 * i + 7 * j) % 400 + 3 for j in range(12)]
@@ -243,7 +243,7 @@ def test_steps_with_drafts_run_synchronously_and_only_they(monkeypatch):
 def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatch):
     """Only a step that verifies drafts needs the synchronous path: the prefill chunks ahead of
     the first decode step (no request can draft yet) run overlapped, as do the steps whose
-    drafting round kept nothing. Outputs stay lossless."""
+    drafting round planned nothing. Outputs stay lossless."""
     prompts = prompts_of([70, 90, 50])
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = _run(_llm(False), prompts, sp)
@@ -251,12 +251,12 @@ def test_steps_that_cannot_carry_drafts_run_overlapped_with_a_drafter(monkeypatc
         max_num_seqs=8, overlap=True, speculative_config=NGRAM, max_num_batched_tokens=32
     )
     eng = llm.engine
-    monkeypatch.setattr(eng.budget, "trim", lambda r, d, c: [0] * len(d))
+    monkeypatch.setattr(eng.budget, "allot", lambda surv, base_rows, room=None: [0] * len(room))
     kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.samples)))
     assert _run(llm, prompts, sp) == want
     assert kinds[0] == (True, 0), "the first prefill chunk ran synchronously"
     # the first request completes its prompt in the third chunk (70 = 32 + 32 + 6): the steps
-    # after it flush to draft; with every draft trimmed they run overlapped all the same
+    # after it flush to draft; with no drafts planned they run overlapped all the same
     assert all(overlapped for overlapped, _ in kinds)
     assert eng.num_sync_steps == 0
 
@@ -297,11 +297,11 @@ def test_a_flush_for_penalties_with_drafts_kept_runs_the_step_synchronously(monk
     eng = llm.engine
     calls = []
 
-    def trim(ready, drafts, confs):  # no drafts, then every draft, in turns
+    def allot(surv, base_rows, room=None):  # no drafts, then all the room, in turns
         calls.append(1)
-        return [len(d) if len(calls) % 2 == 0 else 0 for d in drafts]
+        return list(room) if len(calls) % 2 == 0 else [0] * len(room)
 
-    monkeypatch.setattr(eng.budget, "trim", trim)
+    monkeypatch.setattr(eng.budget, "allot", allot)
     kinds = _record_launches(monkeypatch, eng, lambda b, o: (o, sum(b.num_drafts)))
     assert _run(llm, prompts, params) == want
     assert any(d for _, d in kinds), "no step verified drafts"

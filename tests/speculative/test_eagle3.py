@@ -247,26 +247,27 @@ def _reference_drafts(llm, loaded, tokens: list[int], k: int) -> tuple[list[int]
     return drafts, confs
 
 
-def _drop_every_other_round(llm) -> None:
-    """The verify budget keeps nothing every other drafting round (a plain overlapped step
-    follows), independent of timing."""
-    budget = llm.engine.budget
-    real, calls = budget.trim, [0]
+def _plan_every(llm, n: int) -> None:
+    """The verify budget plans no drafts for n - 1 rounds in n (nothing is drafted, a plain
+    step follows: overlapped where the engine overlaps) and all of each request's room in the
+    other, independent of timing."""
+    calls = [0]
 
-    def trim(ready, drafts, confs):
+    def allot(surv, base_rows, room=None):
         calls[0] += 1
-        keep = real(ready, drafts, confs)
-        return [0] * len(keep) if calls[0] % 2 else [len(d) for d in drafts]
+        return list(room) if calls[0] % n == 0 else [0] * len(room)
 
-    budget.trim = trim
+    llm.engine.budget.allot = allot
 
 
-@pytest.mark.parametrize("head", ["copy", "random"])
-def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, heads, head):
+@pytest.mark.parametrize("head,every", [("copy", 1), ("random", 2), ("random", 4)])
+def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, heads, head, every):
     """Catch-up, chain, rollback after accepts and rejects, preemption, prefix-cache reuse and
-    the plain overlapped steps between drafting rounds (forced for the random head)
-    leave the head's KV and the stored hidden states exactly what a fresh computation gives."""
-    kw = {"verify_budget": "off"} if head == "copy" else {}
+    the plain steps between drafting rounds (forced for the random head: overlapped when every
+    other round drafts; synchronous, three plain steps in a row that draft nothing, when every
+    fourth does) leave the head's KV and the stored hidden states exactly what a fresh
+    computation gives."""
+    kw = {"verify_budget": "off"} if every == 1 else {}
     with env.override(device_drafts=False):  # the host drafter (its proposals are spied on)
         llm = make_llm(
             model=target[0],
@@ -274,20 +275,21 @@ def test_every_draft_is_the_head_recomputed_from_scratch(target, prompts, ref, h
             kv_cache_memory_gb=10 * 16384 / 2**30,
             max_num_batched_tokens=48,
             max_num_seqs=8,
-            overlap=head == "random",
+            overlap=every == 2,
             debug_invariants=True,
         )
     records = _spy(llm)
-    if head == "random":
-        _drop_every_other_round(llm)
+    if every > 1:
+        _plan_every(llm, every)
     outs = llm.generate(prompts, SP, use_tqdm=False)
     assert _ids(outs) == ref
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     if head == "copy":
         assert llm.get_metrics()["spec_accepted_tokens"] > 0
     else:
-        assert llm.engine.num_sync_steps < llm.engine.num_steps  # some steps ran overlapped
-        # drafting resumed after a plain step: its catch-up read g stored by plain overlapped steps
+        if every == 2:
+            assert llm.engine.num_sync_steps < llm.engine.num_steps  # some ran overlapped
+        # drafting resumed after plain steps: its catch-up read g stored by those steps
         assert max(r[3] for r in records) > 4
     loaded = load_model(target[0], torch.float32, torch.device("cpu"), progress=False)
     checked = 0

@@ -41,8 +41,8 @@ class CorruptingDrafter:
     def release(self, seq):
         self.inner.release(seq)
 
-    def confidence_samples(self):
-        return self.inner.confidence_samples()
+    def plan_confidences(self, seq, k):
+        return self.inner.plan_confidences(seq, k)
 
 
 def _engine(overlap: bool):
@@ -91,8 +91,8 @@ def step_outs_for(outs, request_id):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(request, min_size=1, max_size=8), st.integers(0, 2**31))
 def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
-    """overlap=True: the verify budget is made to drop every draft at random (its trim returns
-    no drafts), so the engine keeps switching between synchronous speculative steps and
+    """overlap=True: the verify budget is made to drop every draft at random (its plan is no
+    drafts), so the engine keeps switching between synchronous speculative steps and
     overlapped plain steps (ledger one step late, flush before each drafting round)."""
     eng = _engine(overlap)
     rng = random.Random(seed)
@@ -102,20 +102,20 @@ def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
     finished: dict[str, str] = {}
     processed = []  # (batch, host result, its outputs) of every ledger pass in a step() call
     real_process = eng.ledger.process_outputs
-    real_trim = eng.budget.trim
+    real_allot = eng.budget.allot
 
     def spy(batch, res, *rest):
         outs = real_process(batch, res, *rest)
         processed.append((batch, res, list(outs)))
         return outs
 
-    def dropping_trim(ready, drafts, confs):
-        keep = real_trim(ready, drafts, confs)
+    def dropping_allot(surv, base_rows, room=None):
+        keep = real_allot(surv, base_rows, room)
         return [0] * len(keep) if rng.random() < 0.5 else keep
 
     eng.ledger.process_outputs = spy
     if overlap:
-        eng.budget.trim = dropping_trim
+        eng.budget.allot = dropping_allot
     try:
         pending = sorted(reqs, key=lambda r: r["arrive_at"])
         tick = 0
@@ -181,7 +181,7 @@ def test_spec_invariants_over_random_workloads(overlap, reqs, seed):
             assert tick < 3000
     finally:
         eng.ledger.process_outputs = real_process
-        eng.budget.trim = real_trim
+        eng.budget.allot = real_allot
     assert set(finished) == set(seqs)
     for rid, (seq, r) in seqs.items():
         assert emitted[rid] == seq.output_token_ids  # emitted == appended

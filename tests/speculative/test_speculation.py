@@ -48,7 +48,7 @@ class FixedDrafter:
     def release(self, seq):
         pass
 
-    def confidence_samples(self):
+    def plan_confidences(self, seq, k):
         return None
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.speculative.verify_budget import VerifyBudget, choose, split_rows, survivals
-from tests.speculative.conftest import curve_of
+from tests.speculative.conftest import conf_matrix, curve_of
 
 BUCKETS = [1, 2, 4, 8, 16, 24, 32]
 conf_value = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))
@@ -145,16 +145,16 @@ def test_survivals_clamp_and_multiply():
     assert got.tolist() == [[0.5, 0.5, 0.25], [0.0, 0.0, 0.0]]
 
 
-def test_verify_budget_trim_keeps_metrics_consistent():
+def test_verify_budget_allot_keeps_metrics_consistent_within_room():
     budget = VerifyBudget(curve_of(BUCKETS, lambda b: 1.0 + 0.01 * b), max_rows=32)
-    ready = [object()] * 3
-    drafts = [[1, 2, 3], [], [4, 5]]
-    confs = [[0.9, 0.9, 0.9], [], [0.0, 1.0]]
-    keep = budget.trim(ready, drafts, confs)
-    assert keep[1] == 0 and keep[2] == 0 and keep[0] > 0  # request 2's first draft is wrong
-    assert budget.offered_rows == 5 and budget.chosen_rows == sum(keep)
+    # request 1 has nothing to draft, request 2's first draft is sure to be wrong
+    surv = survivals(conf_matrix([[0.9, 0.9, 0.9], [], [0.0, 1.0]], 3))
+    keep = budget.allot(surv, 3)
+    assert keep[1] == 0 and keep[2] == 0 and keep[0] > 0
+    assert budget.offered_rows == 3 and budget.chosen_rows == sum(keep)
     assert budget.expected_accepted == pytest.approx(sum(0.9 ** (j + 1) for j in range(keep[0])))
     assert budget.seqlens_q() == {1: 2, 1 + keep[0]: 1}
+    assert budget.allot(surv, 3, room=[1, 3, 3])[0] == 1  # a request's room caps its drafts
     assert (
         budget.choose_total(survivals([[0.9, 0.9, 0.9]]), 1)
         == budget.choose(survivals([[0.9, 0.9, 0.9]]), 1).total
@@ -170,21 +170,26 @@ def _golden_llm(rate: float):
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_the_engine_verifies_no_draft_of_zero_confidence_and_sure_ones_at_batch_1(rate):
-    """verify_budget "auto" chooses on every drafting round: golden drafts at confidence 0 are
-    never verified (a plain step each), sure ones at batch 1 are (a verify row costs little next
-    to a step's fixed cost on CPU)."""
+    """verify_budget "auto" plans every drafting round before drafting: golden drafts at
+    confidence 0 are never drafted nor verified (a plain step each, exploration included), sure
+    ones at batch 1 are (a verify row costs little next to a step's fixed cost on CPU)."""
     from specserve import SamplingParams
     from tests.engine.conftest import prompts_of
 
     llm = _golden_llm(rate)
+    drafter, calls = llm.engine.drafter, []
+    real = drafter.propose
+    drafter.propose = lambda seqs, limits: calls.append(list(limits)) or real(seqs, limits)
     gold = [(7 * j) % 400 + 3 for j in range(24)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, golden_token_ids=gold)
     out = llm.generate(prompts_of([9]), sp, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == gold
     m = llm.get_metrics()
-    assert m["verify_budget_offered_draft_rows"] > 0
     if rate == 0.0:
+        assert calls == []  # planned at zero: the drafter never ran
+        assert m["verify_budget_offered_draft_rows"] == 0
         assert m["verify_budget_chosen_draft_rows"] == 0 and m["spec_draft_tokens"] == 0
         assert m["verify_budget_seqlens_q"] == {1: m["num_steps"] - 1}  # all but the prefill
     else:
+        assert calls and m["verify_budget_offered_draft_rows"] > 0
         assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
