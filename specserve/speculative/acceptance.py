@@ -1,4 +1,5 @@
-"""Online acceptance estimates for drafters without confidences of their own (n-gram).
+"""Online acceptance estimates for drafters without confidences of their own (n-gram), and the
+calibration of the confidences a model drafter's drafts are planned with.
 
 The confidence of draft j is the conditional rate P(draft j accepted | drafts < j accepted): the
 verify budget multiplies them into survivals. Engine-wide counts per position, with PRIOR_WEIGHT
@@ -8,7 +9,10 @@ at the engine-wide rate (a new request starts at the engine's rate and moves to 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 PRIOR_RATE = 1.0  # a position never verified: optimistic, since only verifying it teaches
 PRIOR_WEIGHT = 4.0  # pseudo-verifications behind each prior
@@ -54,3 +58,35 @@ class AcceptanceEstimator:
 
     def release(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
+
+
+class PlanCalibration:
+    """Per position j, observed acceptance over what the plan expected: a model drafter's next
+    drafts are planned with the confidences of its previous ones, which are about other tokens
+    and were chosen because they were high, so they overstate what verifies. Over the drafts
+    verified at position j (reached: the drafts before it accepted), factor_j = accepted /
+    sum of the planned confidences, with PRIOR_WEIGHT pseudo-verifications at factor 1; the
+    plan then uses min(1, factor_j * c_j). Learned from every verified draft, so a wrong
+    factor is corrected by the steps it plans."""
+
+    def __init__(self) -> None:
+        self.expected: list[float] = []
+        self.accepted: list[float] = []
+
+    def record(self, planned: Sequence[float], num_drafts: int, num_accepted: int) -> None:
+        grow = num_drafts - len(self.expected)
+        if grow > 0:
+            self.expected.extend([0.0] * grow)
+            self.accepted.extend([0.0] * grow)
+        for j in range(min(num_drafts, num_accepted + 1, len(planned))):
+            self.expected[j] += float(planned[j])
+            self.accepted[j] += float(j < num_accepted)
+
+    def apply(self, conf: np.ndarray) -> np.ndarray:
+        """[n, k] planned confidences -> calibrated ones."""
+        k = conf.shape[1]
+        f = np.ones(k)
+        m = min(k, len(self.expected))
+        exp, acc = np.asarray(self.expected[:m]), np.asarray(self.accepted[:m])
+        f[:m] = (acc + PRIOR_WEIGHT) / (exp + PRIOR_WEIGHT)
+        return np.minimum(1.0, conf * f[None, :])

@@ -17,6 +17,7 @@ import torch
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
+from specserve.speculative.acceptance import PlanCalibration
 from specserve.speculative.verify_budget import survivals
 from specserve.structured.drafts import truncate_drafts
 
@@ -32,6 +33,10 @@ class Speculator:
         self.pool = engine.slot_pool
         # request id -> [k] confidences of its most recent drafts per position (model drafters)
         self._confidences: dict[str, np.ndarray] = {}
+        # model drafters: request id -> [k] the confidences its drafts in the slots were planned
+        # with, and how those compare with what verified
+        self._planned: dict[str, np.ndarray] = {}
+        self.calibration = PlanCalibration()
 
     def may_overlap(self, in_flight: bool) -> bool:
         """Can the next step run overlapped? Only a step that verifies drafts needs the
@@ -65,6 +70,9 @@ class Speculator:
         for s, d, acc in zip(seqs, drafts, host.num_accepted):
             if d:
                 self.drafter.observe(s, len(d), acc)
+                planned = self._planned.pop(s.request_id, None)
+                if planned is not None:
+                    self.calibration.record(planned, len(d), acc)
         return host._replace(draft_confidences=confs)
 
     def draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
@@ -96,8 +104,13 @@ class Speculator:
         if not ready:
             return
         limits = [self._room(s) for s in ready]
+        self._planned.clear()  # drafts planned but never verified (a request ended) teach nothing
         if eng.budget is not None:
-            limits = eng.budget.allot(survivals(self._plan_confidences(ready)), len(ready), limits)
+            conf, learned = self._plan_confidences(ready)
+            for i in np.flatnonzero(learned):
+                self._planned[ready[i].request_id] = conf[i].copy()
+            conf[learned] = self.calibration.apply(conf[learned])
+            limits = eng.budget.allot(survivals(conf), len(ready), limits)
         drafting = [(s, m) for s, m in zip(ready, limits) if m > 0]
         if not drafting:
             return
@@ -117,12 +130,12 @@ class Speculator:
             room = min(room, s.params.max_tokens - s.num_output_tokens - 1)
         return max(0, room)
 
-    def _plan_confidences(self, ready: list[Sequence]) -> np.ndarray:
+    def _plan_confidences(self, ready: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """[n, k] the confidences each request's next drafts are planned with, before drafting
         them: the drafter's own where it knows them up front (n-gram: its acceptance estimate;
         golden: the dialled rate), else those its most recent drafts came with (a model
-        drafter's, one round old, as device drafting plans from), 1 where a position was never
-        drafted (verify, to learn).
+        drafter's, one round old, as device drafting plans from; [n] bool marks these rows,
+        which PlanCalibration corrects), 1 where a position was never drafted (verify, to learn).
 
         How a request planned at 0 learns again, by construction: it is never drafted for (a
         probe of even one head step would make its step dearer than a plain one), so its
@@ -131,13 +144,15 @@ class Speculator:
         learned from outcomes also moves with the other requests' verifications."""
         k = self.pool.k
         conf = np.ones((len(ready), k))
+        learned = np.zeros(len(ready), dtype=bool)
         for i, s in enumerate(ready):
             c = self.drafter.plan_confidences(s, k)
             if c is None:
                 c = self._confidences.get(s.request_id)
+                learned[i] = c is not None
             if c is not None:
                 conf[i, : len(c)] = c[:k]
-        return conf
+        return conf, learned
 
     def _remember(self, s: Sequence, conf: list[float]) -> None:
         """A model drafter's newest confidences for its next plan; positions it did not draft
@@ -150,3 +165,4 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self.drafter.release(seq)
         self._confidences.pop(seq.request_id, None)
+        self._planned.pop(seq.request_id, None)

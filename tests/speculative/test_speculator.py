@@ -6,6 +6,7 @@ across the skipped steps, is still accepted near always)."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,3 +146,34 @@ def test_a_draft_models_kv_after_skipped_steps_is_the_model_recomputed_from_scra
     for tokens, q in late:
         logits = PagedRunner(loaded.model, loaded.config).logits([(0, tokens)])[-1]
         torch.testing.assert_close(q, torch.softmax(logits.float(), -1), rtol=1e-4, atol=1e-9)
+
+
+class SureAndWrong(SureThenWrong):
+    """Confidence 1 on every draft, and drafts the target almost never makes."""
+
+    def propose(self, seqs, limits):
+        return [([5] * k, [1.0] * k) for k in limits]
+
+
+@pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "negative-control"])
+def test_a_model_drafter_that_overstates_its_confidence_is_planned_by_what_verifies(
+    ref, calibrated
+):
+    """Its remembered confidences stay at 1, but the plan learns from the outcomes that they
+    overstate acceptance: after the first rounds it is drafted for only rarely (exploration).
+    Without the calibration (negative control) it is drafted for nearly every step."""
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = make_llm(speculative_config=TINY_DRAFT, debug_invariants=True)
+    llm.engine.drafter = llm.engine.speculator.drafter = SureAndWrong()
+    if not calibrated:
+        llm.engine.speculator.calibration.apply = lambda conf: conf
+    calls = spy_proposals(llm)
+    outs = llm.generate(_prompts(), sp, use_tqdm=False)
+    assert [o[:32] for o in _ids(outs)] == ref
+    m = llm.get_metrics()
+    assert m["spec_accepted_tokens"] <= 0.2 * m["spec_draft_tokens"]  # the drafter is wrong
+    if not calibrated:
+        assert len(calls) > m["num_steps"] / 2
+        return
+    assert len(calls) < m["num_steps"] / 3  # mostly plain steps: no drafter call at all
+    assert llm.engine.speculator.calibration.apply(np.ones((1, 3)))[0, 0] < 0.3
