@@ -1,4 +1,4 @@
-"""JSON schemas under EAGLE-3 speculation: the first 12 schemas, greedy, on a 4-layer tiny target
+"""JSON schemas under EAGLE-3 speculation: every schema, greedy, on a 4-layer tiny target
 (EAGLE-3 needs 3 distinct target layers) with a head in the vLLM format written by the test.
 Every completed output validates with jsonschema, every cut one is a prefix the grammar accepts,
 and the tokens equal those with speculation off; drafts were proposed, cut by the grammar where
@@ -15,9 +15,10 @@ from specserve.model.config import ModelConfig
 from specserve.model.loader.dummy import PRESETS
 from tests.engine.conftest import make_llm
 from tests.speculative.test_eagle3 import _copy_head
+from tests.structured.schemas import SCHEMAS
 from tests.structured.test_json_schemas import _check, _run
 
-N = 12  # schemas; the whole list is covered with speculation off, n-gram and the draft model
+N = len(SCHEMAS)
 
 
 @pytest.fixture(scope="module")
