@@ -5,6 +5,7 @@ import pytest
 
 from specserve import SamplingParams
 from tests.engine.conftest import make_llm, prompts_of
+from tests.speculative.conftest import FixedDrafter
 
 NGRAM = {
     "method": "ngram",
@@ -29,27 +30,6 @@ def off():
 
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
-
-
-class FixedDrafter:
-    """Proposes the same tokens every step (to put EOS/stop ids into drafts)."""
-
-    has_q = False
-
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def propose(self, seqs, limits):
-        return [(self.tokens[:k], [0.5] * min(k, len(self.tokens))) for k in limits]
-
-    def observe(self, seq, nd, na):
-        pass
-
-    def release(self, seq):
-        pass
-
-    def plan_confidences(self, seq, k):
-        return None
 
 
 @pytest.mark.parametrize("cfg", [NGRAM, SELF, TINY_DRAFT], ids=["ngram", "self", "draft"])

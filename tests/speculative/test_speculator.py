@@ -15,6 +15,7 @@ from specserve.model.loader import load_model
 from specserve.model.loader.dummy import PRESETS
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.harness import PagedRunner
+from tests.speculative.conftest import FixedDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 SELF = {"method": "draft_model", "num_speculative_tokens": 4, "model": "self"}
@@ -56,30 +57,12 @@ def plan_every(llm, n: int) -> None:
     llm.engine.budget.allot = allot
 
 
-class SureThenWrong:
-    """A model-like drafter (confidences come with its drafts) whose drafts say confidence 0."""
-
-    has_q = False
-
-    def propose(self, seqs, limits):
-        return [([5] * k, [0.0] * k) for k in limits]
-
-    def observe(self, seq, nd, na):
-        pass
-
-    def release(self, seq):
-        pass
-
-    def plan_confidences(self, seq, k):
-        return None
-
-
 def test_a_model_drafter_is_planned_by_its_newest_confidences(ref):
     """A request with no confidences yet starts at 1 and drafts; once its drafts came with
     confidence 0 it is never drafted for again (exploration included: zero survival is never
     verified), and the steps after are plain."""
     llm = make_llm(speculative_config=TINY_DRAFT, debug_invariants=True)
-    llm.engine.drafter = llm.engine.speculator.drafter = SureThenWrong()
+    llm.engine.drafter = llm.engine.speculator.drafter = FixedDrafter([5] * 8, confidence=0.0)
     calls = spy_proposals(llm)
     outs = llm.generate(_prompts(), SP, use_tqdm=False)
     assert _ids(outs) == ref
@@ -148,13 +131,6 @@ def test_a_draft_models_kv_after_skipped_steps_is_the_model_recomputed_from_scra
         torch.testing.assert_close(q, torch.softmax(logits.float(), -1), rtol=1e-4, atol=1e-9)
 
 
-class SureAndWrong(SureThenWrong):
-    """Confidence 1 on every draft, and drafts the target almost never makes."""
-
-    def propose(self, seqs, limits):
-        return [([5] * k, [1.0] * k) for k in limits]
-
-
 @pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "negative-control"])
 def test_a_model_drafter_that_overstates_its_confidence_is_planned_by_what_verifies(
     ref, calibrated
@@ -165,7 +141,8 @@ def test_a_model_drafter_that_overstates_its_confidence_is_planned_by_what_verif
     control) the plan keeps believing them."""
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm = make_llm(speculative_config=TINY_DRAFT, debug_invariants=True)
-    llm.engine.drafter = llm.engine.speculator.drafter = SureAndWrong()
+    sure_and_wrong = FixedDrafter([5] * 8, confidence=1.0)
+    llm.engine.drafter = llm.engine.speculator.drafter = sure_and_wrong
     if not calibrated:
         llm.engine.speculator.calibration.apply = lambda conf: conf
     budget, planned = llm.engine.budget, []
