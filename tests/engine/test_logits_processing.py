@@ -10,8 +10,19 @@ from specserve import SamplingParams
 from specserve.sampling_params import InvalidRequestError
 from tests.engine.conftest import make_llm, prompts_of
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-SELF = {"method": "draft_model", "num_speculative_tokens": 3, "model": "self"}
+# budget off: every step verifies the drafts, so each case below has verify rows to process
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "verify_budget": "off",
+}
+SELF = {
+    "method": "draft_model",
+    "num_speculative_tokens": 3,
+    "model": "self",
+    "verify_budget": "off",
+}
 WORDS = [" the", " cat", " sat", " on", " mat", " dog", " ran", " a"]
 
 
