@@ -19,6 +19,7 @@ restores the previous values on exit:
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |
+| SPECSERVE_CPU_LINEAR | auto | CPU linear layers: auto = oneDNN over weights packed at load (model/cpu_linear.py) where it applies; torch = F.linear |
 | SPECSERVE_INT4_HEAD | auto | lm_head under quantization="int4": auto = int4 where the GGUF stores it (or the tied embedding) as Q4_1, else int8 per channel (4 bits re-quantized from 8 cost the default model ~9 points of greedy agreement); int4 / int8 = always that |
 | SPECSERVE_GRAMMAR_MASK_OP | auto | how grammar bitmasks reach the logits: auto = xgrammar's Triton kernel on CUDA (the torch path where it cannot be built), a byte-table gather and add elsewhere; torch = that torch path everywhere |
 | SPECSERVE_CPU_THREADS | keep | intra-op threads of a CPU engine: keep = torch's own (one per core), auto = cores - 1 (one left to the host loop: faster where other processes share the cores), or a count |
@@ -58,6 +59,7 @@ class Settings:
     device_drafts: bool
     cpu_threads: str  # "auto" | "keep" | a count (engine/cpu_threads.py)
     cpu_attention: str  # "auto" | "kernel" | "torch" (ops/cpu_attention.py)
+    cpu_linear: str  # "auto" | "torch" (model/cpu_linear.py)
     int4_head: str  # "auto" | "int4" | "int8" (model/quant_int4.py)
     grammar_mask_op: str  # "auto" | "torch" (ops/logits_processing.py)
 
@@ -76,6 +78,7 @@ class Settings:
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
             cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
             cpu_attention=_choice(environ, "SPECSERVE_CPU_ATTENTION", ("auto", "kernel", "torch")),
+            cpu_linear=_choice(environ, "SPECSERVE_CPU_LINEAR", ("auto", "torch")),
             int4_head=_choice(environ, "SPECSERVE_INT4_HEAD", ("auto", "int4", "int8")),
             grammar_mask_op=_choice(environ, "SPECSERVE_GRAMMAR_MASK_OP", ("auto", "torch")),
         )

@@ -27,6 +27,7 @@ from specserve.engine.outputs import OutputPool, TokenOutput
 from specserve.engine.scheduler import Scheduler, StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.engine.slots import DraftSlotPool
+from specserve.model.cpu_linear import pack_linears
 from specserve.model.loader import cache_dir, load_model
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import CudaGraphBackend
@@ -79,6 +80,8 @@ class LLMEngine:
         )
         if self.tp:
             loaded.model = self.tp.shard(loaded.model, loaded.config, self.dtype)
+        elif config.quantization is None:  # quantize_engine swaps the dense layers later
+            pack_linears(loaded.model)  # CPU: oneDNN over packed weights (a no-op elsewhere)
         self.model_name = loaded.name
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer

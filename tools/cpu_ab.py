@@ -10,9 +10,11 @@ variant in the same repeat. Workloads: batch 1 (requests one at a time: median d
 and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `int8`, `w8a8`, `int4`
 (quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `:kernel` / `:torch` (the CPU
 attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
-optionally `@threads`:
+optionally `@threads`. A `+flinear` after the name keeps F.linear for the linear layers
+($SPECSERVE_CPU_LINEAR=torch; else oneDNN over packed weights, model/cpu_linear.py):
 
     python tools/cpu_ab.py --variants fp32:torch,fp32:kernel --repeats 5
+    python tools/cpu_ab.py --variants fp32+flinear@2,fp32@2 --repeats 5
 
 `llamacpp` (batch 1 only) runs the default model's GGUF (Q4_1) in llama.cpp through
 llama-cpp-python, greedy on the same prompt ids, timed the same way (tokens after the first over
@@ -139,6 +141,9 @@ def parse_variant(v: str) -> dict[str, Any]:
     if name in ("llamacpp", "vllm"):
         return {"name": v, "engine": None, "external": name, "threads": int(threads or 1)}
     name, _, attention = name.partition(":")
+    name, plus, linear = name.partition("+")
+    if plus and linear != "flinear":
+        raise SystemExit(f"unknown suffix in {v!r} (+flinear)")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
     quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
@@ -149,6 +154,8 @@ def parse_variant(v: str) -> dict[str, Any]:
         kw["quantization"] = quant
     elif quant:
         raise SystemExit(f"unknown variant {v!r}")
+    if plus:
+        kw["cpu_linear"] = "torch"  # read when the engine loads (not an LLM argument)
     return {
         "name": v,
         "engine": kw,
@@ -194,14 +201,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         key = json.dumps(v["engine"], sort_keys=True)
         if key not in llms:
-            llms[key] = LLM(
-                args.model,
-                device="cpu",
-                progress=False,
-                max_num_seqs=max(args.batch, 1),
-                kv_cache_memory_gb=1.0,
-                **v["engine"],
-            )
+            kw = dict(v["engine"])
+            linear = kw.pop("cpu_linear", "auto")
+            with env.override(cpu_linear=linear):
+                llms[key] = LLM(
+                    args.model,
+                    device="cpu",
+                    progress=False,
+                    max_num_seqs=max(args.batch, 1),
+                    kv_cache_memory_gb=1.0,
+                    **kw,
+                )
         v["llm"] = llms[key]
     first = next(v["llm"] for v in variants if v["engine"] is not None)
     s1 = ThroughputSettings(

@@ -13,6 +13,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
+from specserve.model.cpu_linear import pack_linears
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
@@ -30,7 +31,7 @@ class DraftModelDrafter:
             model, cfg = engine.target_model, engine.model_config  # the target drafts for itself
         else:
             loaded = load_model(spec.model, engine.dtype, engine.device, progress=False)
-            model, cfg = loaded.model, loaded.config
+            model, cfg = pack_linears(loaded.model), loaded.config
             if cfg.vocab_size != engine.model_config.vocab_size:
                 raise ModelLoadError(
                     f"draft model {spec.model!r} has vocabulary size {cfg.vocab_size}, the target "

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specserve import env
+
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
@@ -131,7 +133,7 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}"
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep2"
-    key += f"|tp={eng.config.tensor_parallel_size}"
+    key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

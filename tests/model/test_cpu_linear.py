@@ -1,0 +1,106 @@
+"""CPU linear layers on oneDNN over packed weights (specserve.model.cpu_linear): the same
+products as F.linear, every dense linear of a loaded model swapped (a tied head too), and the
+engines that must keep their own layers (quantization, the switch off) keep them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve import LLM, SamplingParams, env
+from specserve.model.cpu_linear import PackedLinear, pack_linears, packing_available
+from specserve.model.loader import load_model
+from specserve.model.quant import Int8Linear
+from tests.model.harness import PagedRunner
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    not packing_available(torch.float32), reason="torch built without oneDNN"
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)).max())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 5, 64])
+def test_packed_linear_computes_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    layer = PackedLinear(w, b)
+    got, want = layer(x), F.linear(x, w, b)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # leading dims and a transposed (non-contiguous) input
+    x3 = torch.randn(2, 3, 40, generator=g)
+    torch.testing.assert_close(layer(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
+    xt = torch.randn(40, 7, generator=g).t()
+    torch.testing.assert_close(layer(xt), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, w)  # the dense copy reads back exactly
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16), reason="no native bf16 in oneDNN")
+def test_packed_linear_in_bfloat16() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(128, 64, generator=g), torch.randn(9, 64, generator=g)
+    got = PackedLinear(w.bfloat16(), None)(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, F.linear(x, w)) < 0.02  # bf16 rounding of inputs and output
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
+def test_a_packed_model_computes_the_dense_one(tiny_hf_dirs: dict[str, Path], family: str) -> None:
+    loaded = load_model(str(tiny_hf_dirs[family]), torch.float32, CPU, progress=False)
+    dense = copy.deepcopy(loaded.model)
+    packed = pack_linears(loaded.model)
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert isinstance(packed.lm_head, PackedLinear)  # tied too: a packed copy of the embedding
+    assert packed.embed_tokens.weight.dtype == torch.float32  # the lookup keeps dense rows
+    g = torch.Generator().manual_seed(1)
+    batch = [
+        (i, torch.randint(3, loaded.config.vocab_size, (n,), generator=g).tolist())
+        for i, n in enumerate((30, 9, 17))
+    ]
+    got = PagedRunner(packed, loaded.config).logits(batch)
+    want = PagedRunner(dense, loaded.config).logits(batch)
+    # fp32 accumulation in another order: ~1e-6 relative; a transposed or wrong weight gives ~1
+    assert _rel(got, want) < 1e-4
+
+
+def test_the_switch_keeps_f_linear(tiny_llama_dir: Path) -> None:
+    model = load_model(str(tiny_llama_dir), torch.float32, CPU, progress=False).model
+    with env.override(cpu_linear="torch"):
+        pack_linears(model)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_engines_pack_their_target_and_draft_model_and_quantization_keeps_its_layers(
+    tiny_llama_dir: Path,
+) -> None:
+    prompts = [[5, 9, 300, 41, 7] * 3, [11, 12, 13]]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": "dummy:tiny"}
+    llm = LLM(str(tiny_llama_dir), device="cpu", progress=False, speculative_config=spec)
+    assert isinstance(llm.engine.target_model.lm_head, PackedLinear)
+    draft = llm.engine.drafter.runner.model
+    assert any(isinstance(m, PackedLinear) for m in draft.modules())
+    with env.override(cpu_linear="torch"):
+        ref = LLM(str(tiny_llama_dir), device="cpu", progress=False)
+    assert not any(isinstance(m, PackedLinear) for m in ref.engine.target_model.modules())
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want  # random tiny weights: no near-ties at this precision
+    q = LLM(str(tiny_llama_dir), device="cpu", progress=False, quantization="int8")
+    mods = list(q.engine.target_model.modules())
+    assert any(isinstance(m, Int8Linear) for m in mods)
+    assert not any(isinstance(m, PackedLinear) for m in mods)
