@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specserve import env
+from specserve.ops import cpu_gemm
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -40,32 +41,46 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # dense [T, K] in, dense [T, N] out; the op inductor's CPU backend emits for packed linears
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over a weight packed for oneDNN. `weight` reads back a dense copy
-    (for code that initialises from it, e.g. a head's lm_head); writes to it go nowhere."""
+    """nn.Linear's forward over a weight repacked at load: fp32 in 16-row panels for the
+    compiled GEMM (ops/cpu_gemm.py), else (bf16, or no compiler) oneDNN's own layout. `weight`
+    reads back a dense copy (for code that initialises from it, e.g. a head's lm_head); writes
+    to it go nowhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = weight.detach().contiguous().to_mkldnn()  # [N, K], oneDNN's layout
+        self.lib = cpu_gemm.kernel() if weight.dtype == torch.float32 else None
+        w = weight.detach().contiguous()
+        if self.lib is not None:
+            self.panels = cpu_gemm.to_panels(w)  # [ceil(N / 16), K, 16]
+        else:
+            self.packed = w.to_mkldnn()  # [N, K], oneDNN's layout
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @property
     def weight(self) -> torch.Tensor:  # [N, K] dense copy
+        if self.lib is not None:
+            return cpu_gemm.from_panels(self.panels, self.out_features)
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
-        y = _matmul(x.reshape(-1, self.in_features), self.packed, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self.lib is not None:
+            y = cpu_gemm.gemm(self.lib, x2, self.panels, self.bias, self.out_features)
+        else:
+            y = _onednn(x2, self.packed, self.bias)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, packed=oneDNN"
+        kind = "panels" if self.lib is not None else "oneDNN"
+        return f"{self.in_features}, {self.out_features}, packed={kind}"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

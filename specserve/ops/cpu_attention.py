@@ -5,10 +5,9 @@ SDPA, in every layer: at 64 decode requests that copy is most of the attention t
 in cpu_attention.cpp walks each request's block table instead, with an online softmax, for
 decode, verify and prefill rows alike (GQA, sliding window, padding rows -> zeros).
 
-Built on first use with the system C++ compiler ($CXX, else c++/g++/clang++) into
-$SPECSERVE_CACHE/kernels/, keyed by a hash of the source, the flags and the CPU, and loaded with
-ctypes: a plain C ABI needs no torch headers (about a second to compile) and no ninja. No
-compiler, or a failed build: one warning, and attention.py keeps its torch path.
+Built on first use by ops/cpu_build.py (the system C++ compiler, cached per source and CPU,
+loaded with ctypes). No compiler, or a failed build: one warning, and attention.py keeps its
+torch path.
 $SPECSERVE_CPU_ATTENTION: auto (default: kernel if it builds), kernel (fail if it does not),
 torch (never build it).
 """
@@ -16,19 +15,15 @@ torch (never build it).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from specserve import env
+from specserve.ops import cpu_build
 from specserve.ops.forward_context import ForwardContext, KVCache
 
 logger = logging.getLogger(__name__)
@@ -36,10 +31,6 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 _ABI_VERSION = 1
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"],
-    ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17"],  # a compiler without -march=native
-)
 
 
 class _Args(ctypes.Structure):
@@ -74,53 +65,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: a shared cache dir may serve machines of other CPUs."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(cxx: str) -> Path:
-    """Compile the kernel (or find it built) and return the shared library's path."""
-    source = _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, cxx, _cpu_id(), str(_FLAG_SETS)]).encode())
-    out_dir = env.settings.cache_dir / "kernels"
-    lib = out_dir / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in _FLAG_SETS:
-        # a private name, then an atomic rename: concurrent builders never see half a file
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        proc = subprocess.run(
-            [cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode == 0:
-            os.replace(tmp, lib)
-            return lib
-        os.unlink(tmp)
-        errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
-    raise RuntimeError("compiling cpu_attention.cpp failed:\n" + "\n".join(errors))
-
-
 def _load() -> ctypes.CDLL:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
-    lib = ctypes.CDLL(str(_build(cxx)))
+    lib = cpu_build.load(_SOURCE)
     if lib.specserve_cpu_attention_version() != _ABI_VERSION:
         raise RuntimeError("cpu_attention library has a different ABI version")
     lib.specserve_cpu_attention.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]

@@ -16,6 +16,7 @@ from specserve import LLM, SamplingParams, env
 from specserve.model.cpu_linear import PackedLinear, pack_linears, packing_available
 from specserve.model.loader import load_model
 from specserve.model.quant import Int8Linear
+from specserve.ops import cpu_gemm
 from tests.model.harness import PagedRunner
 
 CPU = torch.device("cpu")
@@ -28,16 +29,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)).max())
 
 
+@pytest.fixture(params=["panels", "onednn"])
+def path(request, monkeypatch) -> str:
+    """fp32 layers take the compiled panel GEMM; without it (no compiler), oneDNN."""
+    if request.param == "panels" and cpu_gemm.kernel() is None:
+        pytest.skip("no C++ compiler")
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 5, 64])
-def test_packed_linear_computes_f_linear(rows: int, bias: bool) -> None:
+def test_packed_linear_computes_f_linear(rows: int, bias: bool, path: str) -> None:
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 40, generator=g)
-    b = torch.randn(96, generator=g) if bias else None
+    w = torch.randn(99, 40, generator=g)  # 99: a partial last panel
+    b = torch.randn(99, generator=g) if bias else None
     x = torch.randn(rows, 40, generator=g)
     layer = PackedLinear(w, b)
+    assert (layer.lib is not None) == (path == "panels")
     got, want = layer(x), F.linear(x, w, b)
-    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    assert got.shape == (rows, 99) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # leading dims and a transposed (non-contiguous) input
     x3 = torch.randn(2, 3, 40, generator=g)
@@ -45,6 +57,18 @@ def test_packed_linear_computes_f_linear(rows: int, bias: bool) -> None:
     xt = torch.randn(40, 7, generator=g).t()
     torch.testing.assert_close(layer(xt), F.linear(xt, w, b), rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.weight, w)  # the dense copy reads back exactly
+
+
+@pytest.mark.skipif(cpu_gemm.kernel() is None, reason="no C++ compiler")
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """The panel GEMM sums each output over k in order whatever M is: bit-equal rows."""
+    g = torch.Generator().manual_seed(5)
+    layer = PackedLinear(torch.randn(200, 96, generator=g), torch.randn(200, generator=g))
+    x = torch.randn(23, 96, generator=g)
+    full = layer(x)
+    for m in (1, 2, 5, 6, 7, 13):
+        assert torch.equal(layer(x[:m]), full[:m])
+        assert torch.equal(layer(x[m : m + 1])[0], full[m])
 
 
 @pytest.mark.skipif(not packing_available(torch.bfloat16), reason="no native bf16 in oneDNN")
@@ -57,7 +81,9 @@ def test_packed_linear_in_bfloat16() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
-def test_a_packed_model_computes_the_dense_one(tiny_hf_dirs: dict[str, Path], family: str) -> None:
+def test_a_packed_model_computes_the_dense_one(
+    tiny_hf_dirs: dict[str, Path], family: str, path: str
+) -> None:
     loaded = load_model(str(tiny_hf_dirs[family]), torch.float32, CPU, progress=False)
     dense = copy.deepcopy(loaded.model)
     packed = pack_linears(loaded.model)

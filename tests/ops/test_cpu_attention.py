@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams, env
-from specserve.ops import cpu_attention
+from specserve.ops import cpu_attention, cpu_build
 from specserve.ops.attention import paged_attention, paged_attention_torch
 from tests.ops.test_attention import _dense_reference, _setup
 
@@ -104,7 +104,7 @@ def test_dispatch_follows_the_switch(lib) -> None:
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
     monkeypatch.setattr(cpu_attention, "_tried", False)
     monkeypatch.setattr(cpu_attention, "_lib", None)
     s = _setup([1, 5], [30, 9], 6, 2)
