@@ -16,6 +16,13 @@
 #include <numeric>
 #include <vector>
 
+// The decode / short-verify path below is AVX-512 intrinsics; -DSPECSERVE_PORTABLE (or a CPU
+// without AVX-512F) leaves only the portable path, which the tests build and check too.
+#if defined(__AVX512F__) && !defined(SPECSERVE_PORTABLE)
+#include <immintrin.h>
+#define SPECSERVE_AVX512 1
+#endif
+
 namespace {
 
 constexpr int kRowsPerItem = 16;
@@ -258,6 +265,185 @@ void run_item(const Args& a, int req, int row0, int row1, int kvh, Scratch& s) {
     }
 }
 
+#ifdef SPECSERVE_AVX512
+// Few query vectors per KV head (decode: G; short verify: rows x G): every vector scores the
+// block's 16 keys as 16 lane-wise partial dot products, and one transpose-and-add tree turns the
+// 16 vectors into one vector of 16 scores (15 adds, 30 shuffles) instead of 16 horizontal sums.
+// The softmax of a block is then one vector op per step, and V is read once per <= 4 vectors.
+constexpr int kFastMaxQ = 24;  // vectors per (item, KV head) served here; more: run_item
+
+// exp_nonpos on 16 lanes: the same reduction and polynomial, 2^n by vscalefps.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bf16 -> fp32: the 16 bits become the high half
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Lane 4k+e of the result = the sum of v[4e+k]'s lanes (callers put key 4k+e in slot 4e+k).
+// Each add only combines partials of one input, so a NaN key stays in its own lane.
+inline __m512 sum16(__m512* v) {
+    __m512 w[8], x[4], y[2];
+    for (int j = 0; j < 8; ++j)  // 256-bit halves: [v2j (8 partials) | v2j+1]
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)  // 128-bit lane k: 4 partials of v[4j+k]
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; ++j)  // lane k: 2 partials of v[8j+k], 2 of v[8j+4+k]
+        y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// acc[j] = acc[j] * corr[j] + sum_t p[j][t] V[t] for NQ vectors over keys [lo, hi) of a block.
+template <typename KV, int DT, int NQ>
+inline void pv_block(float* acc, const float* p, const float* corr, const KV* vb,
+                     int64_t tok_stride, int lo, int hi) {
+    constexpr int C = DT / 16;
+    __m512 ac[NQ][C];
+    for (int j = 0; j < NQ; ++j) {
+        const __m512 cj = _mm512_set1_ps(corr[j]);
+        for (int c = 0; c < C; ++c) ac[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * DT + c * 16), cj);
+    }
+    for (int t = lo; t < hi; ++t) {
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16(vb + t * tok_stride + c * 16);
+        for (int j = 0; j < NQ; ++j) {
+            const __m512 w = _mm512_set1_ps(p[j * 16 + t]);
+            for (int c = 0; c < C; ++c) ac[j][c] = _mm512_fmadd_ps(w, v[c], ac[j][c]);
+        }
+    }
+    for (int j = 0; j < NQ; ++j)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * DT + c * 16, ac[j][c]);
+}
+
+// The next block's K or V rows of heads [h0, h0 + nh) towards L1 (contiguous when nh = Hkv).
+template <typename KV>
+inline void prefetch_block(const KV* first, int64_t tok_stride, int bytes_per_row) {
+    for (int t = 0; t < 16; ++t) {
+        const char* row = reinterpret_cast<const char*>(first + t * tok_stride);
+        for (int off = 0; off < bytes_per_row; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+}
+
+// One item: rows [row0, row1) of request req, KV heads [h0, h1); block_size 16, head_dim DT.
+template <typename KV, int DT>
+void run_item_fast(const Args& a, int req, int row0, int row1, int h0, int h1, Scratch& s) {
+    constexpr int BS = 16, C = DT / 16, QG = C <= 4 ? 4 : 2;  // QG: vectors per V pass
+    const int g_per = a.heads / a.kv_heads;
+    const int nrows = row1 - row0, nq = nrows * g_per, nh = h1 - h0;
+    const int ql = a.q_lens[req], cl = a.ctx_lens[req], start = a.starts[req];
+    const int first_pos = cl - ql + row0;
+    const int64_t tok_stride = static_cast<int64_t>(a.kv_heads) * DT, blk_stride = tok_stride * BS;
+    const size_t nv = static_cast<size_t>(nh) * nq;  // vectors: [head][row][g]
+    s.q.resize(nv * DT);
+    s.acc.assign(nv * DT, 0.0f);
+    s.m.assign(nv, -FLT_MAX);
+    s.l.assign(nv, 0.0f);
+    s.scores.resize(static_cast<size_t>(nq) * (BS + 1));
+    const __m512 scale = _mm512_set1_ps(a.scale);
+    for (int hh = 0; hh < nh; ++hh)
+        for (int r = 0; r < nrows; ++r)
+            for (int g = 0; g < g_per; ++g) {
+                const float* src = a.q + (start + row0 + r) * a.q_row_stride +
+                                   ((h0 + hh) * g_per + g) * a.q_head_stride;
+                float* dst = s.q.data() + ((static_cast<size_t>(hh) * nrows + r) * g_per + g) * DT;
+                for (int c = 0; c < C; ++c)
+                    _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), scale));
+            }
+    const int klo = a.window ? std::max(0, first_pos - a.window + 1) : 0;
+    const int khi = first_pos + nrows;
+    const int32_t* table = a.block_tables + req * a.bt_stride;
+    const KV* kbase = static_cast<const KV*>(a.k) + h0 * DT;
+    const KV* vbase = static_cast<const KV*>(a.v) + h0 * DT;
+    const int row_bytes = nh * DT * static_cast<int>(sizeof(KV));
+    float* prob = s.scores.data();     // [nq][16]
+    float* corr = prob + nq * BS;      // [nq]
+    for (int b0 = klo / BS * BS; b0 < khi; b0 += BS) {
+        const int64_t blk = table[b0 / BS];
+        if (b0 + BS < khi) {
+            const int64_t nxt = table[b0 / BS + 1];
+            prefetch_block(kbase + nxt * blk_stride, tok_stride, row_bytes);
+            prefetch_block(vbase + nxt * blk_stride, tok_stride, row_bytes);
+        }
+        const int t_lo = std::max(klo, b0) - b0, t_hi = std::min(khi, b0 + BS) - b0;
+        for (int hh = 0; hh < nh; ++hh) {
+            const KV* kb = kbase + blk * blk_stride + hh * DT;
+            const KV* vb = vbase + blk * blk_stride + hh * DT;
+            const size_t v0 = static_cast<size_t>(hh) * nq;
+            for (int n = 0; n < nq; ++n) {
+                const int p = first_pos + n / g_per;
+                const int lo = std::max(t_lo, (a.window ? p - a.window + 1 : 0) - b0);
+                const int hi = std::min(t_hi, p + 1 - b0);
+                float* pr = prob + n * BS;
+                corr[n] = 1.0f;
+                if (lo >= hi) {  // this row sees none of the block: no change to its state
+                    _mm512_storeu_ps(pr, _mm512_setzero_ps());
+                    continue;
+                }
+                const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+                const float* qv = s.q.data() + (v0 + n) * DT;
+                __m512 qr[C], part[16];
+                for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(qv + c * 16);
+                for (int slot = 0; slot < 16; ++slot) {
+                    const KV* kr = kb + ((slot & 3) * 4 + (slot >> 2)) * tok_stride;
+                    __m512 acc = _mm512_mul_ps(qr[0], load16(kr));
+                    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qr[c], load16(kr + c * 16), acc);
+                    part[slot] = acc;
+                }
+                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, sum16(part));
+                float& m = s.m[v0 + n];
+                const float mx = std::max(m, _mm512_reduce_max_ps(sc));
+                const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+                corr[n] = exp_nonpos(m - mx);
+                s.l[v0 + n] = s.l[v0 + n] * corr[n] + _mm512_reduce_add_ps(e);
+                m = mx;
+                _mm512_storeu_ps(pr, e);
+            }
+            float* acc = s.acc.data() + v0 * DT;
+            for (int n = 0; n < nq; n += QG) {
+                const int k = std::min(QG, nq - n);
+                float* an = acc + static_cast<size_t>(n) * DT;
+                const float *pn = prob + n * BS, *cn = corr + n;
+                if (k == QG) pv_block<KV, DT, QG>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
+                else if (k == 3) pv_block<KV, DT, 3>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
+                else if (k == 2) pv_block<KV, DT, 2>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
+                else pv_block<KV, DT, 1>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
+            }
+        }
+    }
+    for (int hh = 0; hh < nh; ++hh)
+        for (int r = 0; r < nrows; ++r)
+            for (int g = 0; g < g_per; ++g) {
+                const size_t n = (static_cast<size_t>(hh) * nrows + r) * g_per + g;
+                const __m512 inv = _mm512_set1_ps(1.0f / s.l[n]);
+                float* dst = a.out + (static_cast<int64_t>(start + row0 + r) * a.heads +
+                                      (h0 + hh) * g_per + g) * DT;
+                for (int c = 0; c < C; ++c)
+                    _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + n * DT + c * 16), inv));
+            }
+}
+#else
+constexpr int kFastMaxQ = 0;
+#endif
+
 template <typename KV>
 void run(const Args& a) {
     // chunks of rows, the costliest first so the dynamic schedule does not end on a big one
@@ -283,21 +469,41 @@ void run(const Args& a) {
     if (a.num_rows > num_real)
         std::memset(a.out + num_real * row_elems, 0,
                     (a.num_rows - num_real) * row_elems * sizeof(float));
-    const int64_t items = static_cast<int64_t>(chunks.size()) * a.kv_heads;
+    // Enough chunks to keep every thread busy: one item per chunk with all its KV heads, so an
+    // item streams whole contiguous blocks [16, Hkv, D]; else one item per (chunk, KV head).
+    const int hpi = static_cast<int64_t>(chunks.size()) >= 4 * a.num_threads ? a.kv_heads : 1;
+    const int per_chunk = (a.kv_heads + hpi - 1) / hpi;
+    const int64_t items = static_cast<int64_t>(chunks.size()) * per_chunk;
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, items)));
+#ifdef SPECSERVE_AVX512
+    const int g_per = a.heads / a.kv_heads;
+    const bool fast_shape = a.block_size == 16 && (a.head_dim == 64 || a.head_dim == 128);
+#endif
 #pragma omp parallel num_threads(threads)
     {
         Scratch s;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const Chunk& c = chunks[it / a.kv_heads];
-            const int kvh = static_cast<int>(it % a.kv_heads);
-            if (a.head_dim == 64 && a.block_size == 16)
-                run_item<KV, 64, 16>(a, c.req, c.row0, c.row1, kvh, s);
-            else if (a.head_dim == 128 && a.block_size == 16)
-                run_item<KV, 128, 16>(a, c.req, c.row0, c.row1, kvh, s);
-            else
-                run_item<KV, 0, 0>(a, c.req, c.row0, c.row1, kvh, s);
+            const Chunk& c = chunks[it / per_chunk];
+            const int h0 = static_cast<int>(it % per_chunk) * hpi;
+            const int h1 = std::min(a.kv_heads, h0 + hpi);
+#ifdef SPECSERVE_AVX512
+            if (fast_shape && (c.row1 - c.row0) * g_per <= kFastMaxQ) {
+                if (a.head_dim == 64)
+                    run_item_fast<KV, 64>(a, c.req, c.row0, c.row1, h0, h1, s);
+                else
+                    run_item_fast<KV, 128>(a, c.req, c.row0, c.row1, h0, h1, s);
+                continue;
+            }
+#endif
+            for (int kvh = h0; kvh < h1; ++kvh) {
+                if (a.head_dim == 64 && a.block_size == 16)
+                    run_item<KV, 64, 16>(a, c.req, c.row0, c.row1, kvh, s);
+                else if (a.head_dim == 128 && a.block_size == 16)
+                    run_item<KV, 128, 16>(a, c.req, c.row0, c.row1, kvh, s);
+                else
+                    run_item<KV, 0, 0>(a, c.req, c.row0, c.row1, kvh, s);
+            }
         }
     }
 }
