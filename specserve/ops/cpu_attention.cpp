@@ -343,104 +343,98 @@ inline void prefetch_row(const KV* k, const KV* v) {
     }
 }
 
-// One item: rows [row0, row1) of request req, KV heads [h0, h1); block_size 16, head_dim DT.
+// run_item for block_size 16, head_dim DT and at most kFastMaxQ query vectors.
 template <typename KV, int DT>
-void run_item_fast(const Args& a, int req, int row0, int row1, int h0, int h1, Scratch& s) {
+void run_item_fast(const Args& a, int req, int row0, int row1, int kvh, Scratch& s) {
     constexpr int BS = 16, C = DT / 16, QG = C <= 4 ? 4 : 2;  // QG: vectors per V pass
     const int g_per = a.heads / a.kv_heads;
-    const int nrows = row1 - row0, nq = nrows * g_per, nh = h1 - h0;
+    const int nrows = row1 - row0, nq = nrows * g_per;
     const int ql = a.q_lens[req], cl = a.ctx_lens[req], start = a.starts[req];
     const int first_pos = cl - ql + row0;
     const int64_t tok_stride = static_cast<int64_t>(a.kv_heads) * DT, blk_stride = tok_stride * BS;
-    const size_t nv = static_cast<size_t>(nh) * nq;  // vectors: [head][row][g]
-    s.q.resize(nv * DT);
-    s.acc.assign(nv * DT, 0.0f);
-    s.m.assign(nv, -FLT_MAX);
-    s.l.assign(nv, 0.0f);
+    s.q.resize(static_cast<size_t>(nq) * DT);
+    s.acc.assign(static_cast<size_t>(nq) * DT, 0.0f);
+    s.m.assign(nq, -FLT_MAX);
+    s.l.assign(nq, 0.0f);
     s.scores.resize(static_cast<size_t>(nq) * (BS + 1));
+    float* prob = s.scores.data();  // [nq][16] this block's softmax numerators
+    float* corr = prob + nq * BS;   // [nq] rescale of the accumulators for this block
     const __m512 scale = _mm512_set1_ps(a.scale);
-    for (int hh = 0; hh < nh; ++hh)
-        for (int r = 0; r < nrows; ++r)
-            for (int g = 0; g < g_per; ++g) {
-                const float* src = a.q + (start + row0 + r) * a.q_row_stride +
-                                   ((h0 + hh) * g_per + g) * a.q_head_stride;
-                float* dst = s.q.data() + ((static_cast<size_t>(hh) * nrows + r) * g_per + g) * DT;
-                for (int c = 0; c < C; ++c)
-                    _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), scale));
-            }
+    for (int n = 0; n < nq; ++n) {
+        const float* src = a.q + (start + row0 + n / g_per) * a.q_row_stride +
+                           (kvh * g_per + n % g_per) * a.q_head_stride;
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(s.q.data() + n * DT + c * 16,
+                             _mm512_mul_ps(_mm512_loadu_ps(src + c * 16), scale));
+    }
     const int klo = a.window ? std::max(0, first_pos - a.window + 1) : 0;
     const int khi = first_pos + nrows;
     const int32_t* table = a.block_tables + req * a.bt_stride;
-    const KV* kbase = static_cast<const KV*>(a.k) + h0 * DT;
-    const KV* vbase = static_cast<const KV*>(a.v) + h0 * DT;
-    float* prob = s.scores.data();     // [nq][16]
-    float* corr = prob + nq * BS;      // [nq]
+    const KV* kbase = static_cast<const KV*>(a.k) + kvh * DT;
+    const KV* vbase = static_cast<const KV*>(a.v) + kvh * DT;
     for (int b0 = klo / BS * BS; b0 < khi; b0 += BS) {
         const int64_t blk = table[b0 / BS];
-        // the next block is somewhere else in memory (no hardware prefetcher guesses it): its
-        // rows are prefetched one per scored key, spread over this block's work (issued all at
-        // once, 2 x 24 KB of prefetches queue behind the miss buffers and stall: 1.5x slower)
+        const KV* kb = kbase + blk * blk_stride;
+        const KV* vb = vbase + blk * blk_stride;
+        // The next block lies anywhere (no hardware prefetcher guesses it): its rows are
+        // prefetched one key at a time, spread over this block's scoring. A burst of them at
+        // the block's start stalled behind the miss buffers and gained nothing.
         const bool has_next = b0 + BS < khi;
         const int64_t nxt = has_next ? table[b0 / BS + 1] : blk;
+        const KV* kn = kbase + nxt * blk_stride;
+        const KV* vn = vbase + nxt * blk_stride;
         const int t_lo = std::max(klo, b0) - b0, t_hi = std::min(khi, b0 + BS) - b0;
-        for (int hh = 0; hh < nh; ++hh) {
-            const KV* kb = kbase + blk * blk_stride + hh * DT;
-            const KV* vb = vbase + blk * blk_stride + hh * DT;
-            const size_t v0 = static_cast<size_t>(hh) * nq;
-            const KV* kn = kbase + nxt * blk_stride + hh * DT;
-            const KV* vn = vbase + nxt * blk_stride + hh * DT;
-            for (int n = 0; n < nq; ++n) {
-                const int p = first_pos + n / g_per;
-                const int lo = std::max(t_lo, (a.window ? p - a.window + 1 : 0) - b0);
-                const int hi = std::min(t_hi, p + 1 - b0);
-                float* pr = prob + n * BS;
-                corr[n] = 1.0f;
-                if (lo >= hi) {  // this row sees none of the block: no change to its state
-                    _mm512_storeu_ps(pr, _mm512_setzero_ps());
-                    continue;
-                }
-                const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-                const float* qv = s.q.data() + (v0 + n) * DT;
-                __m512 qr[C], part[16];
-                for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(qv + c * 16);
-                for (int slot = 0; slot < 16; ++slot) {
-                    if (has_next && n == 0) prefetch_row<KV, DT>(kn + slot * tok_stride, vn + slot * tok_stride);
-                    const KV* kr = kb + ((slot & 3) * 4 + (slot >> 2)) * tok_stride;
-                    __m512 acc = _mm512_mul_ps(qr[0], load16(kr));
-                    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qr[c], load16(kr + c * 16), acc);
-                    part[slot] = acc;
-                }
-                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, sum16(part));
-                float& m = s.m[v0 + n];
-                const float mx = std::max(m, _mm512_reduce_max_ps(sc));
-                const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-                corr[n] = exp_nonpos(m - mx);
-                s.l[v0 + n] = s.l[v0 + n] * corr[n] + _mm512_reduce_add_ps(e);
-                m = mx;
-                _mm512_storeu_ps(pr, e);
+        for (int n = 0; n < nq; ++n) {
+            const int p = first_pos + n / g_per;
+            const int lo = std::max(t_lo, (a.window ? p - a.window + 1 : 0) - b0);
+            const int hi = std::min(t_hi, p + 1 - b0);
+            float* pr = prob + n * BS;
+            corr[n] = 1.0f;
+            if (lo >= hi) {  // the row sees none of this block: its state stays
+                _mm512_storeu_ps(pr, _mm512_setzero_ps());
+                continue;
             }
-            float* acc = s.acc.data() + v0 * DT;
-            for (int n = 0; n < nq; n += QG) {
-                const int k = std::min(QG, nq - n);
-                float* an = acc + static_cast<size_t>(n) * DT;
-                const float *pn = prob + n * BS, *cn = corr + n;
-                if (k == QG) pv_block<KV, DT, QG>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
-                else if (k == 3) pv_block<KV, DT, 3>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
-                else if (k == 2) pv_block<KV, DT, 2>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
-                else pv_block<KV, DT, 1>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
+            __m512 qr[C], part[16];
+            for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(s.q.data() + n * DT + c * 16);
+            for (int slot = 0; slot < 16; ++slot) {
+                if (has_next && n == 0)
+                    prefetch_row<KV, DT>(kn + slot * tok_stride, vn + slot * tok_stride);
+                const KV* kr = kb + ((slot & 3) * 4 + (slot >> 2)) * tok_stride;  // see sum16
+                __m512 dot = _mm512_mul_ps(qr[0], load16(kr));
+                for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(qr[c], load16(kr + c * 16), dot);
+                part[slot] = dot;
+            }
+            // keys outside [lo, hi) may be unwritten memory (NaN): masked out of the max and
+            // the sum, and their V rows are not read
+            const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+            const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, sum16(part));
+            const float m = s.m[n], mx = std::max(m, _mm512_reduce_max_ps(sc));
+            const __m512 e =
+                _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+            corr[n] = exp_nonpos(m - mx);
+            s.l[n] = s.l[n] * corr[n] + _mm512_reduce_add_ps(e);
+            s.m[n] = mx;
+            _mm512_storeu_ps(pr, e);
+        }
+        for (int n = 0; n < nq; n += QG) {
+            float* an = s.acc.data() + static_cast<size_t>(n) * DT;
+            const float *pn = prob + n * BS, *cn = corr + n;
+            switch (std::min(QG, nq - n)) {
+                case 4: pv_block<KV, DT, 4>(an, pn, cn, vb, tok_stride, t_lo, t_hi); break;
+                case 3: pv_block<KV, DT, 3>(an, pn, cn, vb, tok_stride, t_lo, t_hi); break;
+                case 2: pv_block<KV, DT, 2>(an, pn, cn, vb, tok_stride, t_lo, t_hi); break;
+                default: pv_block<KV, DT, 1>(an, pn, cn, vb, tok_stride, t_lo, t_hi);
             }
         }
     }
-    for (int hh = 0; hh < nh; ++hh)
-        for (int r = 0; r < nrows; ++r)
-            for (int g = 0; g < g_per; ++g) {
-                const size_t n = (static_cast<size_t>(hh) * nrows + r) * g_per + g;
-                const __m512 inv = _mm512_set1_ps(1.0f / s.l[n]);
-                float* dst = a.out + (static_cast<int64_t>(start + row0 + r) * a.heads +
-                                      (h0 + hh) * g_per + g) * DT;
-                for (int c = 0; c < C; ++c)
-                    _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + n * DT + c * 16), inv));
-            }
+    for (int n = 0; n < nq; ++n) {
+        const __m512 inv = _mm512_set1_ps(1.0f / s.l[n]);  // l > 0: every row sees itself
+        float* dst = a.out + (static_cast<int64_t>(start + row0 + n / g_per) * a.heads +
+                              kvh * g_per + n % g_per) * DT;
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(dst + c * 16,
+                             _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + n * DT + c * 16), inv));
+    }
 }
 #else
 constexpr int kFastMaxQ = 0;
@@ -471,11 +465,9 @@ void run(const Args& a) {
     if (a.num_rows > num_real)
         std::memset(a.out + num_real * row_elems, 0,
                     (a.num_rows - num_real) * row_elems * sizeof(float));
-    // Enough chunks to keep every thread busy: one item per chunk with all its KV heads, so an
-    // item streams whole contiguous blocks [16, Hkv, D]; else one item per (chunk, KV head).
-    const int hpi = static_cast<int64_t>(chunks.size()) >= 4 * a.num_threads ? a.kv_heads : 1;
-    const int per_chunk = (a.kv_heads + hpi - 1) / hpi;
-    const int64_t items = static_cast<int64_t>(chunks.size()) * per_chunk;
+    // Items of (chunk, all KV heads), whose blocks [16, Hkv, D] are contiguous, measured no
+    // faster than (chunk, one KV head), which splits a long request over more threads.
+    const int64_t items = static_cast<int64_t>(chunks.size()) * a.kv_heads;
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, items)));
 #ifdef SPECSERVE_AVX512
     const int g_per = a.heads / a.kv_heads;
@@ -486,26 +478,23 @@ void run(const Args& a) {
         Scratch s;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            const Chunk& c = chunks[it / per_chunk];
-            const int h0 = static_cast<int>(it % per_chunk) * hpi;
-            const int h1 = std::min(a.kv_heads, h0 + hpi);
+            const Chunk& c = chunks[it / a.kv_heads];
+            const int kvh = static_cast<int>(it % a.kv_heads);
 #ifdef SPECSERVE_AVX512
             if (fast_shape && (c.row1 - c.row0) * g_per <= kFastMaxQ) {
                 if (a.head_dim == 64)
-                    run_item_fast<KV, 64>(a, c.req, c.row0, c.row1, h0, h1, s);
+                    run_item_fast<KV, 64>(a, c.req, c.row0, c.row1, kvh, s);
                 else
-                    run_item_fast<KV, 128>(a, c.req, c.row0, c.row1, h0, h1, s);
+                    run_item_fast<KV, 128>(a, c.req, c.row0, c.row1, kvh, s);
                 continue;
             }
 #endif
-            for (int kvh = h0; kvh < h1; ++kvh) {
-                if (a.head_dim == 64 && a.block_size == 16)
-                    run_item<KV, 64, 16>(a, c.req, c.row0, c.row1, kvh, s);
-                else if (a.head_dim == 128 && a.block_size == 16)
-                    run_item<KV, 128, 16>(a, c.req, c.row0, c.row1, kvh, s);
-                else
-                    run_item<KV, 0, 0>(a, c.req, c.row0, c.row1, kvh, s);
-            }
+            if (a.head_dim == 64 && a.block_size == 16)
+                run_item<KV, 64, 16>(a, c.req, c.row0, c.row1, kvh, s);
+            else if (a.head_dim == 128 && a.block_size == 16)
+                run_item<KV, 128, 16>(a, c.req, c.row0, c.row1, kvh, s);
+            else
+                run_item<KV, 0, 0>(a, c.req, c.row0, c.row1, kvh, s);
         }
     }
 }
