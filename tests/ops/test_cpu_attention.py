@@ -1,10 +1,13 @@
 """The compiled CPU attention kernel (specserve.ops.cpu_attention) against the torch path and a
 dense float64 reference, its fallback when it cannot be built, and the engine's greedy outputs
-through it."""
+through it. Kernel tests run on two builds of the source: the one the engine loads (AVX-512 path
+where the CPU has it) and one with -DSPECSERVE_PORTABLE (the portable C++ path only)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,24 @@ from specserve.ops.attention import paged_attention, paged_attention_torch
 from tests.ops.test_attention import _dense_reference, _setup
 
 
-@pytest.fixture(scope="module")
-def lib():
+def _portable_build(out_dir: Path) -> ctypes.CDLL:
+    """The kernel compiled without its AVX-512 path, loaded like cpu_attention._load does."""
+    cxx = cpu_attention._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    so = out_dir / "cpu_attention_portable.so"
+    flags = [*cpu_attention._FLAG_SETS[0], "-DSPECSERVE_PORTABLE"]
+    subprocess.run([cxx, *flags, str(cpu_attention._SOURCE), "-o", str(so)], check=True)
+    built = ctypes.CDLL(str(so))
+    built.specserve_cpu_attention.argtypes = [ctypes.POINTER(cpu_attention._Args), ctypes.c_int]
+    built.specserve_cpu_attention.restype = ctypes.c_int
+    return built
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory):
+    if request.param == "portable":
+        return _portable_build(tmp_path_factory.mktemp("kernel"))
     with env.override(cpu_attention="kernel"):
         return cpu_attention.kernel()  # built once (cached under $SPECSERVE_CACHE/kernels)
 
@@ -40,7 +59,7 @@ def layouts(draw: st.DrawFn) -> dict:
         "ctx_lens": ctx_lens,
         "heads": heads,
         "kv_heads": kv_heads,
-        "head_dim": draw(st.sampled_from([8, 64])),
+        "head_dim": draw(st.sampled_from([8, 64, 128])),
         "block_size": draw(st.sampled_from([4, 16])),
         "pad_rows": draw(st.integers(0, 3)),
         "window": draw(st.sampled_from([0, 1, 5, 33])),
@@ -88,6 +107,41 @@ def test_kernel_matches_reference_and_torch_path(lib, layout: dict, bf16: bool) 
     finally:
         torch.set_num_threads(n)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_requests_at_engine_shapes(lib, head_dim: int, window: int, dtype) -> None:
+    """Block size 16, GQA 3: 40 requests of decode, verify and prefill rows (the AVX-512 path's
+    shapes), context lengths on and off block boundaries, the same numbers at any thread count."""
+    g = torch.Generator().manual_seed(head_dim + window)
+    q_lens = [[1, 1, 2, 4, 8, 16, 33][i % 7] for i in range(40)]
+    ctx_lens = [q + int(torch.randint(0, 260, (1,), generator=g)) for q in q_lens]
+    ctx_lens[:4] = [1, 16, 17, 32]  # one key; whole blocks; a block of one key
+    q_lens[:4] = [1, 1, 1, 1]
+    s = _setup(q_lens, ctx_lens, 9, 3, head_dim, 16, pad_rows=3, dtype=dtype, seed=window)
+    if window:  # keys out of every row's window may be freed blocks: poison them
+        for i, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
+            for p in range(max(0, c - ql - window + 1)):
+                blk = int(s.ctx.block_tables[i, p // 16])
+                s.cache.k[blk, p % 16] = float("nan")
+                s.cache.v[blk, p % 16] = float("nan")
+    ks = [k.to(dtype) for k in s.ks]
+    vs = [v.to(dtype) for v in s.vs]
+    ref = _dense_reference(s.q, ks, vs, q_lens, ctx_lens, 0.125, window)
+    n = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_attention.paged_attention_cpu(lib, s.q, s.cache, s.ctx, 0.125, window))
+    finally:
+        torch.set_num_threads(n)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)
+    assert (outs[0][sum(q_lens) :] == 0).all()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 def test_dispatch_follows_the_switch(lib) -> None:
