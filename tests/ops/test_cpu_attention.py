@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,24 +20,20 @@ from specserve.ops.attention import paged_attention, paged_attention_torch
 from tests.ops.test_attention import _dense_reference, _setup
 
 
-def _portable_build(out_dir: Path) -> ctypes.CDLL:
+def _portable_build() -> ctypes.CDLL:
     """The kernel compiled without its AVX-512 path, loaded like cpu_attention._load does."""
-    cxx = cpu_attention._compiler()
-    if cxx is None:
+    if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler")
-    so = out_dir / "cpu_attention_portable.so"
-    flags = [*cpu_attention._FLAG_SETS[0], "-DSPECSERVE_PORTABLE"]
-    subprocess.run([cxx, *flags, str(cpu_attention._SOURCE), "-o", str(so)], check=True)
-    built = ctypes.CDLL(str(so))
+    built = cpu_build.load(cpu_attention._SOURCE, ("-DSPECSERVE_PORTABLE",))
     built.specserve_cpu_attention.argtypes = [ctypes.POINTER(cpu_attention._Args), ctypes.c_int]
     built.specserve_cpu_attention.restype = ctypes.c_int
     return built
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
-def lib(request, tmp_path_factory):
+def lib(request):
     if request.param == "portable":
-        return _portable_build(tmp_path_factory.mktemp("kernel"))
+        return _portable_build()
     with env.override(cpu_attention="kernel"):
         return cpu_attention.kernel()  # built once (cached under $SPECSERVE_CACHE/kernels)
 
