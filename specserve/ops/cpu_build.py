@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from specserve import env
+
+logger = logging.getLogger(__name__)
 
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"],
@@ -78,3 +83,33 @@ def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
 
 def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(build(source, extra_flags)))
+
+
+class LazyKernel:
+    """A kernel library built and loaded on first use; `get()` is None (after one warning)
+    where it cannot be built, and the caller keeps its other path. `setup` checks the ABI
+    version and declares argument types."""
+
+    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], fallback: str) -> None:
+        self.source, self.setup, self.fallback = source, setup, fallback
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        lib = load(self.source)
+                        self.setup(lib)
+                        self._lib = lib
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                        logger.warning(
+                            "%s unavailable, using %s: %s",
+                            self.source.name,
+                            self.fallback,
+                            str(e).splitlines()[0],
+                        )
+                    self._tried = True
+        return self._lib

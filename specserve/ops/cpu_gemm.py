@@ -12,48 +12,33 @@ keeps another path).
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from specserve.ops import cpu_build
 
-logger = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 _ABI_VERSION = 1
 LANES = 16
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+
+def _setup(lib: ctypes.CDLL) -> None:
+    if lib.specserve_cpu_gemm_version() != _ABI_VERSION:
+        raise RuntimeError("cpu_gemm library has a different ABI version")
+    c = ctypes
+    lib.specserve_cpu_gemm.argtypes = [
+        c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
+        c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int,
+    ]  # fmt: skip
+    lib.specserve_cpu_gemm.restype = c.c_int
+
+
+_kernel = cpu_build.LazyKernel(_SOURCE, _setup, "oneDNN")
 
 
 def kernel() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    lib = cpu_build.load(_SOURCE)
-                    if lib.specserve_cpu_gemm_version() != _ABI_VERSION:
-                        raise RuntimeError("cpu_gemm library has a different ABI version")
-                    c = ctypes
-                    lib.specserve_cpu_gemm.argtypes = [
-                        c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
-                        c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int,
-                    ]  # fmt: skip
-                    lib.specserve_cpu_gemm.restype = c.c_int
-                    _lib = lib
-                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    logger.warning(
-                        "CPU GEMM kernel unavailable, using oneDNN: %s", str(e).splitlines()[0]
-                    )
-                _tried = True
-    return _lib
+    return _kernel.get()
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp32
