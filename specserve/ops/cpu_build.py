@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,9 +26,12 @@ from specserve import env
 
 logger = logging.getLogger(__name__)
 
+# -fno-trapping-math: lets loops with a clamp before a float-to-int conversion vectorise
+# (cpu_math.h's exp); it changes no result.
+_COMMON = ["-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"],
-    ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17"],  # a compiler without -march=native
+    ["-march=native", *_COMMON],
+    _COMMON,  # a compiler without -march=native
 )
 
 
@@ -48,14 +52,20 @@ def compiler() -> str | None:
     return None
 
 
+def _source_text(source: Path) -> str:
+    """The source and the local headers it includes (`#include "x.h"` beside it): the cache key."""
+    text = source.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return "\0".join([text, *((source.parent / h).read_text() for h in sorted(headers))])
+
+
 def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile `source` (or find it built) and return the shared library's path."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
-    text = source.read_text()
     key = hashlib.sha256(
-        "\0".join([text, cxx, cpu_id(), str(FLAG_SETS), str(extra_flags)]).encode()
+        "\0".join([_source_text(source), cxx, cpu_id(), str(FLAG_SETS), str(extra_flags)]).encode()
     )
     out_dir = env.settings.cache_dir / "kernels"
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -90,8 +100,15 @@ class LazyKernel:
     where it cannot be built, and the caller keeps its other path. `setup` checks the ABI
     version and declares argument types."""
 
-    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], fallback: str) -> None:
+    def __init__(
+        self,
+        source: Path,
+        setup: Callable[[ctypes.CDLL], None],
+        fallback: str,
+        extra_flags: tuple[str, ...] = (),
+    ) -> None:
         self.source, self.setup, self.fallback = source, setup, fallback
+        self.extra_flags = extra_flags
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._tried = False
@@ -101,7 +118,7 @@ class LazyKernel:
             with self._lock:
                 if not self._tried:
                     try:
-                        lib = load(self.source)
+                        lib = load(self.source, self.extra_flags)
                         self.setup(lib)
                         self._lib = lib
                     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

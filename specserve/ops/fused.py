@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import env
+from specserve.ops import cpu_fused
 from specserve.ops.attention import write_kv
 from specserve.ops.forward_context import KVCache
 from specserve.ops.pdl import launch_options
@@ -84,6 +85,41 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] ->
 
 
 # -- dispatchers ---------------------------------------------------------------------------------
+# Each runs the Triton kernel where `_enabled`, else the compiled CPU op (ops/cpu_fused.py) where
+# it serves the layout, else the torch reference.
+
+
+def _cpu_rows_ok(x: torch.Tensor) -> bool:  # [T, N] with contiguous rows
+    return x.dim() == 2 and x.stride(-1) == 1
+
+
+def _cpu_norm_ok(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    if residual is None:
+        return _cpu_rows_ok(x) and weight.is_contiguous() and cpu_fused.usable(x, weight)
+    return (
+        _cpu_rows_ok(x)
+        and residual.shape == x.shape
+        and residual.stride(-1) == 1
+        and weight.is_contiguous()
+        and cpu_fused.usable(x, residual, weight)
+    )
+
+
+def _cpu_rope_ok(
+    qkv: torch.Tensor, cos_sin: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+) -> bool:
+    d = qkv.shape[-1]
+    return (
+        qkv.stride(-1) == 1
+        and qkv.stride(1) == d
+        and cos_sin.stride(-1) == 1
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.device.type == "cpu"
+        and cpu_fused.usable(qkv, cos_sin, cache.k, cache.v)
+    )
 
 
 def add_rms_norm(
@@ -103,6 +139,8 @@ def add_rms_norm(
         and weight.dtype == x.dtype
         and weight.is_contiguous()
     ):
+        if _cpu_norm_ok(x, residual, weight):
+            return cpu_fused.add_rms_norm(x, residual, weight, eps)
         return add_rms_norm_reference(x, residual, weight, eps)
     t, n = x.shape
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
@@ -177,6 +215,8 @@ def rope_write_kv_(
         and cache.v.stride(-1) == 1
     )
     if not fused:
+        if _cpu_rope_ok(qkv, cos_sin, cache, slot_mapping):
+            return cpu_fused.rope_write_kv_(qkv, num_q_heads, cos_sin, cache, slot_mapping)
         qk = rope_(qkv[:, : num_q_heads + hkv], cos_sin)
         write_kv(qk[:, num_q_heads:], qkv[:, num_q_heads + hkv :], cache, slot_mapping, all_valid)
         return qk[:, :num_q_heads]
@@ -202,6 +242,8 @@ def rope_write_kv_(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """silu(gate) * up, for gate and up side by side in the fused gate_up projection output."""
     if not (_enabled(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1):
+        if _cpu_rows_ok(gate_up) and cpu_fused.usable(gate_up):
+            return cpu_fused.silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)
     t, two_i = gate_up.shape
     inter = two_i // 2

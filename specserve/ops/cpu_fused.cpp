@@ -1,0 +1,108 @@
+// The decoder layer's elementwise ops on the CPU, one call each (built and called by
+// cpu_fused.py): residual add + RMSNorm, rotary over q and k + the KV cache write, silu-and-mul.
+//
+// In torch each of them is 4-8 ops of ~1-3 us host time apiece, which at batch-1 decode of a
+// small model is a tenth of the step. Built with -ffp-contract=off: the rotary keeps torch's
+// roundings (x*cos, rotated*sin, their sum) bit for bit; the norm's sum of squares and the
+// silu's exponential differ from torch in the last bits only.
+//
+// Rows are independent: a row's result never depends on the rows beside it. Work is split over
+// threads by rows only when there are enough of them to pay for waking the pool.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_math.h"
+
+namespace {
+
+constexpr int kParallelRows = 32;  // below this a call stays on the calling thread
+constexpr int kMaxHeadDim = 512;
+
+}  // namespace
+
+extern "C" {
+
+int specserve_cpu_fused_version() { return 1; }
+
+// new_res = x + res (res may be null: new_res is not written), out = rms_norm(new_res) * w.
+// x [T, N] row stride ldx, res [T, N] row stride ldr, out and new_res [T, N] contiguous.
+void specserve_add_rms_norm(const float* x, int64_t ldx, const float* res, int64_t ldr,
+                            const float* w, float* out, float* new_res, int T, int N, float eps,
+                            int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= kParallelRows && threads > 1)
+    for (int t = 0; t < T; ++t) {
+        const float* xr = x + t * ldx;
+        const float* s = xr;
+        if (res) {
+            const float* rr = res + t * ldr;
+            float* nr = new_res + static_cast<int64_t>(t) * N;
+#pragma omp simd
+            for (int i = 0; i < N; ++i) nr[i] = xr[i] + rr[i];
+            s = nr;
+        }
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int i = 0; i < N; ++i) sq += s[i] * s[i];
+        const float r = 1.0f / std::sqrt(sq / static_cast<float>(N) + eps);
+        float* o = out + static_cast<int64_t>(t) * N;
+#pragma omp simd
+        for (int i = 0; i < N; ++i) o[i] = (s[i] * r) * w[i];
+    }
+}
+
+// out [T, I] = silu(gu[:, :I]) * gu[:, I:], gu row stride ld, out contiguous.
+void specserve_silu_and_mul(const float* gu, int64_t ld, float* out, int T, int I, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= kParallelRows && threads > 1)
+    for (int t = 0; t < T; ++t) {
+        const float* g = gu + t * ld;  // gate, then up at g + I
+        float* o = out + static_cast<int64_t>(t) * I;
+#pragma omp simd
+        for (int i = 0; i < I; ++i) {
+            // e^-|g| <= 1 never overflows: silu(g) = g / (1 + e^-g) on either side of zero
+            const float gi = g[i];
+            const float e = exp_nonpos(-std::fabs(gi));
+            const float num = gi >= 0.0f ? gi : gi * e;
+            o[i] = num / (1.0f + e) * g[I + i];
+        }
+    }
+}
+
+// Neox rotary over the NQ + NKV first heads of each row of qkv [T, NQ + 2 NKV, D] (row stride
+// ld, heads contiguous): q heads rotated in place, k heads rotated into k_cache[slot], v heads
+// copied into v_cache[slot] (caches [slots, NKV, D]); slot < 0 (padding) writes nothing.
+// cos_sin [T, 2, D] (row stride cs_ld, sin part at + cs_part) holds cos and the signed sin:
+// rotated = x * cos + roll(x, D / 2) * sin, as ops/fused.py's apply_rope.
+int specserve_rope_write_kv(float* qkv, int64_t ld, int NQ, int NKV, int D, const float* cos_sin,
+                            int64_t cs_ld, int64_t cs_part, float* k_cache, float* v_cache,
+                            const int64_t* slots, int T, int threads) {
+    if (D > kMaxHeadDim || D % 2) return -1;
+    const int half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= kParallelRows && threads > 1)
+    for (int t = 0; t < T; ++t) {
+        float* row = qkv + t * ld;
+        const float* c = cos_sin + t * cs_ld;
+        const float* s = c + cs_part;
+        const int64_t slot = slots[t];
+        for (int h = 0; h < NQ + NKV; ++h) {
+            float* x = row + static_cast<int64_t>(h) * D;
+            float* dst = x;  // q: in place
+            if (h >= NQ) {
+                if (slot < 0) continue;
+                dst = k_cache + (slot * NKV + (h - NQ)) * D;
+            }
+            float rot[kMaxHeadDim];
+#pragma omp simd
+            for (int i = 0; i < half; ++i) rot[i] = x[i] * c[i] + x[i + half] * s[i];
+#pragma omp simd
+            for (int i = half; i < D; ++i) rot[i] = x[i] * c[i] + x[i - half] * s[i];
+            std::memcpy(dst, rot, D * sizeof(float));
+        }
+        if (slot >= 0)
+            std::memcpy(v_cache + slot * NKV * D, row + static_cast<int64_t>(NQ + NKV) * D,
+                        static_cast<size_t>(NKV) * D * sizeof(float));
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""The compiled CPU elementwise ops (specserve.ops.cpu_fused) through ops/fused.py's dispatchers
+against the torch references: rotary + KV write bit for bit, add + RMSNorm and silu-and-mul to
+the last bits; padding rows, strided inputs, the threaded row split; autograd keeps torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve import env
+from specserve.model.layers import RotaryEmbedding
+from specserve.ops import cpu_build, cpu_fused, fused
+from specserve.ops.attention import write_kv
+from specserve.ops.forward_context import KVCache
+
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the row split runs in the 40-row cases
+    yield
+    torch.set_num_threads(before)
+
+
+def test_kernel_builds() -> None:
+    assert cpu_fused.kernel() is not None
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(rows: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 700, generator=g) * 3
+    x = wide[:, 50:626]  # a strided view: rows of stride 700
+    residual = torch.randn(rows, 576, generator=g) if with_residual else None
+    weight = torch.randn(576, generator=g)
+    out, new_res = fused.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = fused.add_rms_norm_reference(x, residual, weight, 1e-5)
+    assert torch.equal(new_res, ref_res)  # the add rounds once, as torch's
+    torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=2e-6)
+    assert out.shape == (rows, 576) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_and_mul(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 8
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -200.0])
+    out = fused.silu_and_mul(gate_up)
+    ref = fused.silu_and_mul_reference(gate_up)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 1)]),
+    head_dim=st.sampled_from([8, 64, 128]),
+    data=st.data(),
+)
+def test_rope_write_kv_bit_exact(
+    rows: int, heads: tuple[int, int], head_dim: int, data: st.DataObject
+) -> None:
+    h, hkv = heads
+    num_slots = 4 * 64
+    slots = data.draw(
+        st.lists(st.integers(0, num_slots - 1), min_size=rows, max_size=rows, unique=True)
+    )
+    pad = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+    slot_mapping = torch.tensor([-1 if p else s for s, p in zip(slots, pad, strict=True)])
+    positions = torch.tensor(
+        data.draw(st.lists(st.integers(0, 5000), min_size=rows, max_size=rows))
+    )
+    cos_sin = RotaryEmbedding(head_dim, 10000.0, None, 8192).cos_sin(positions, 5001, torch.float32)
+    g = torch.Generator().manual_seed(rows * head_dim)
+    qkv = torch.randn(rows, h + 2 * hkv, head_dim, generator=g)
+    poison = torch.full((4, 64, hkv, head_dim), float("nan"))
+    cache = KVCache(poison.clone(), poison.clone())
+    ref_cache = KVCache(poison.clone(), poison.clone())
+
+    q = fused.rope_write_kv_(qkv.clone(), h, cos_sin, cache, slot_mapping)
+    ref_qk = fused.apply_rope(qkv[:, : h + hkv], cos_sin)
+    write_kv(ref_qk[:, h:], qkv[:, h + hkv :], ref_cache, slot_mapping)
+
+    assert torch.equal(q, ref_qk[:, :h])
+    # equal_nan: slots no row wrote keep their poison; padding rows wrote nothing
+    assert torch.equal(cache.k.isnan(), ref_cache.k.isnan())
+    assert torch.equal(cache.k.nan_to_num(), ref_cache.k.nan_to_num())
+    assert torch.equal(cache.v.nan_to_num(), ref_cache.v.nan_to_num())
+
+
+def test_fused_ops_off_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object) -> None:
+        raise AssertionError("compiled op called")
+
+    monkeypatch.setattr(cpu_fused, "add_rms_norm", refuse)
+    monkeypatch.setattr(cpu_fused, "silu_and_mul", refuse)
+    x, w = torch.randn(3, 64), torch.randn(64)
+    with env.override(fused_ops=False):
+        fused.add_rms_norm(x, x, w, 1e-6)
+        fused.silu_and_mul(torch.randn(3, 128))
+
+
+def test_autograd_keeps_torch_ops() -> None:
+    # head training differentiates through these layers: the compiled ops record no graph
+    x = torch.randn(4, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    out, _ = fused.add_rms_norm(x, None, w, 1e-6)
+    fused.silu_and_mul(torch.cat([out, out], -1)).sum().backward()
+    assert x.grad is not None and w.grad is not None
