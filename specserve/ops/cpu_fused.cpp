@@ -23,7 +23,7 @@ constexpr int kMaxHeadDim = 512;
 
 extern "C" {
 
-int specserve_cpu_fused_version() { return 1; }
+int specserve_cpu_fused_version() { return 2; }
 
 // new_res = x + res (res may be null: new_res is not written), out = rms_norm(new_res) * w.
 // x [T, N] row stride ldx, res [T, N] row stride ldr, out and new_res [T, N] contiguous.
@@ -103,6 +103,48 @@ int specserve_rope_write_kv(float* qkv, int64_t ld, int NQ, int NKV, int D, cons
                         static_cast<size_t>(NKV) * D * sizeof(float));
     }
     return 0;
+}
+
+// out[t] = torch.argmax(x[t]): the first index of the row's maximum; a row holding NaN gives its
+// first NaN. x [T, V] row stride ld.
+void specserve_argmax_rows(const float* x, int64_t ld, int T, int V, int64_t* out, int threads) {
+    constexpr int L = 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (T >= 4 && threads > 1)
+    for (int t = 0; t < T; ++t) {
+        const float* r = x + t * ld;
+        // per lane: its largest value and where it first occurs (strict >: earlier wins ties)
+        float best[L];
+        int32_t at[L];
+        int32_t nan = 0;
+        for (int l = 0; l < L; ++l) best[l] = -INFINITY, at[l] = 0;
+        const int body = V / L * L;
+        for (int i = 0; i < body; i += L) {
+#pragma omp simd reduction(| : nan)
+            for (int l = 0; l < L; ++l) {
+                const float v = r[i + l];
+                const bool more = v > best[l];
+                best[l] = more ? v : best[l];
+                at[l] = more ? i + l : at[l];
+                nan |= v != v;
+            }
+        }
+        float mx = -INFINITY;
+        int64_t idx = 0;
+        for (int l = 0; l < L; ++l)
+            if (best[l] > mx || (best[l] == mx && at[l] < idx)) mx = best[l], idx = at[l];
+        for (int i = body; i < V; ++i) {
+            nan |= r[i] != r[i];
+            if (r[i] > mx) mx = r[i], idx = i;
+        }
+        if (nan) {
+            for (int i = 0; i < V; ++i)
+                if (r[i] != r[i]) {
+                    idx = i;
+                    break;
+                }
+        }
+        out[t] = idx;
+    }
 }
 
 }  // extern "C"

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from specserve import env
+from specserve.ops import cpu_fused
 from specserve.ops.random import hashed_uniform
 from specserve.ops.sampling import (
     ACCEPT_SALT,
@@ -102,7 +103,7 @@ def verify_reference(
     forced (teacher forcing): a row with a golden token accepts its draft iff it equals it and,
     as the final row, emits it; rows without one behave as usual."""
     if t.all_greedy:
-        target = logits.argmax(dim=-1)  # [total_q]
+        target = cpu_fused.argmax(logits)  # [total_q]
         if forced is not None:
             target = torch.where(forced >= 0, forced, target)
         accept = target == draft_token_ids

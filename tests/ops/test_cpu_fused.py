@@ -112,3 +112,18 @@ def test_autograd_keeps_torch_ops() -> None:
     out, _ = fused.add_rms_norm(x, None, w, 1e-6)
     fused.silu_and_mul(torch.cat([out, out], -1)).sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])
+def test_argmax_matches_torch(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 3, generator=g)[:, 3:]  # strided rows
+    x[1] = 0.5  # every index ties: the first wins
+    x[2, vocab // 2 :] = x[2].max() + 1  # ties in the second half, across lanes
+    x[3] = float("-inf")
+    x[4, vocab - 1] = float("nan")  # a NaN wins, wherever the maximum is
+    x[5, 0] = float("inf")
+    x[6, vocab // 3] = float("nan")
+    x[6, vocab - 1] = float("nan")
+    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
+    assert cpu_fused.argmax(x[:0]).shape == (0,)
