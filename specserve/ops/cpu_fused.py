@@ -23,6 +23,7 @@ from specserve.ops.forward_context import KVCache
 
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 _ABI_VERSION = 2
+MAX_HEAD_DIM = 512  # kMaxHeadDim of the rotary
 
 
 def _setup(lib: ctypes.CDLL) -> None:

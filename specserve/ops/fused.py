@@ -110,7 +110,9 @@ def _cpu_rope_ok(
 ) -> bool:
     d = qkv.shape[-1]
     return (
-        qkv.stride(-1) == 1
+        d % 2 == 0
+        and d <= cpu_fused.MAX_HEAD_DIM
+        and qkv.stride(-1) == 1
         and qkv.stride(1) == d
         and cos_sin.stride(-1) == 1
         and cache.k.is_contiguous()

@@ -134,6 +134,7 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}"
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep2"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
+    key += f"|fused={env.settings.fused_ops}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
