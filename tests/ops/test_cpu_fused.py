@@ -127,3 +127,19 @@ def test_argmax_matches_torch(vocab: int) -> None:
     x[6, vocab - 1] = float("nan")
     assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
     assert cpu_fused.argmax(x[:0]).shape == (0,)
+
+
+def test_no_compiler_keeps_torch(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    # a machine without a C++ compiler: one warning, then the torch ops, same results
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    lazy = cpu_build.LazyKernel(cpu_fused._SOURCE, cpu_fused._setup, "the torch ops")
+    monkeypatch.setattr(cpu_fused, "_kernel", lazy)
+    x, w = torch.randn(3, 64), torch.randn(64)
+    with caplog.at_level("WARNING"):
+        out, res = fused.add_rms_norm(x, x, w, 1e-6)
+        logits = torch.randn(2, 100)
+        ids = cpu_fused.argmax(logits)
+    ref_out, ref_res = fused.add_rms_norm_reference(x, x, w, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)  # the reference, bit for bit
+    assert torch.equal(ids, logits.argmax(-1))
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
