@@ -57,10 +57,9 @@ void rows_chunk(const float* x, int64_t ldx, int rows, const float* panels, int6
     }
 }
 
-// 8 x 3 accumulators + 3 weight vectors: 27 of 32 AVX-512 registers. Against 6 x 4 (same
-// registers), paired over 30 distinct weights of each of the default model's shapes: 1.04-1.06x
-// at 64 rows (8 full chunks, no 4-row tail; a 576-wide output is 12 groups, even over 2
-// threads), 1.02x at 256, 1.035x at 1, 0.99x at 6; identical results.
+// 8 x 3 accumulators + 3 weight vectors: 27 of 32 AVX-512 registers. Rather than 6 x 4 (as many
+// registers): 64 rows are 8 full chunks (no short tail), and a 576-wide output is 12 groups,
+// which split evenly over 2 or 4 threads (docs/cpu.md has the paired timings).
 constexpr int kRows = 8;
 
 }  // namespace
