@@ -1,7 +1,7 @@
 """Agent frameworks against a real server: LangChain's ChatOpenAI `bind_tools` (a forced call,
 named and `any`) and `with_structured_output` (json_schema, strict) on the default model, the
-results parsed back into typed objects. litellm is checked by hand, not here: its install is
-~230 MB (litellm 200 MB, botocore 32 MB), too much for the dev extras."""
+results parsed back into typed objects. litellm is checked by hand with tools/check_litellm.py,
+not here: its install is ~230 MB (litellm 200 MB, botocore 32 MB), too much for the dev extras."""
 
 from __future__ import annotations
 
