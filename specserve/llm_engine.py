@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import numbers
 import random
@@ -18,7 +17,12 @@ from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError, start_tensor_parallel
 from specserve.engine.block_manager import BlockManager
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.device import resolve_device, resolve_dtype
+from specserve.engine.device import (
+    freeze_startup_objects,
+    release_dropped_engines,
+    resolve_device,
+    resolve_dtype,
+)
 from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
 from specserve.engine.launch import LaunchedStep, Launcher, settle
@@ -71,6 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        release_dropped_engines(self.device)  # an engine built before, now dropped, goes first
         self.dtype = resolve_dtype(config.dtype, self.device)
         # tensor parallelism: workers start now; the model loads on the host, then is sharded
         self.tp = start_tensor_parallel(config, self.device)
@@ -233,11 +238,7 @@ class LLMEngine:
         self.speculator = Speculator(self) if self.drafter is not None else None
         self._last_readback: float | None = None  # of the last step read back (_time_step)
         if self.device.type == "cuda":
-            # What start-up built (model, tokenizer vocab, graphs) lives as long as the engine:
-            # out of the collector's sight, a full collection mid-run walks only the requests'
-            # objects (a ~0.3 s host stall in a step of the 256-request H200 run looked like one)
-            gc.collect()
-            gc.freeze()
+            freeze_startup_objects()
 
     def _num_kv_blocks(self) -> int:
         mc, cfg = self.model_config, self.config

@@ -64,7 +64,9 @@ def command_line() -> str:
 
 def free_memory() -> None:
     """After `del llm`: collect the engine (it has reference cycles) and return its cached device
-    blocks, so the next engine's KV sizing (a share of free memory) sees the whole device."""
+    blocks, so the next engine's KV sizing (a share of free memory) sees the whole device. A CUDA
+    engine froze what it built (engine/device.py): frozen objects are never collected."""
+    gc.unfreeze()
     gc.collect()
     try:
         import torch
