@@ -337,6 +337,7 @@ def test_engine_graphs_match_eager(
         assert same is None, f"request {i}: first difference at token {same}"
 
 
+@pytest.mark.gpu
 def test_a_dropped_engine_frees_the_device_for_the_next(cuda: torch.device) -> None:
     """A CUDA engine freezes what start-up built (engine/device.py); one dropped afterwards is
     released when the next engine is built, so a KV cache sized as a share of the device fits
