@@ -118,11 +118,17 @@ def render_chat(
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def conversation_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation ending in a user turn, under the chat template with the generation
+    prompt, tokenized as the engine does; the turns' texts one a line without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        text = "\n".join(m["content"] for m in messages)
+        return list(tokenizer.encode(text, add_special_tokens=True))
+    return render_chat(tokenizer, messages, {"add_generation_prompt": True})[1]
+
+
 def user_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """One user turn under the model's chat template, tokenized as the engine does (vLLM's
     rules: the template writes the special tokens, none are added again); plain text for a
     tokenizer without a template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(text, add_special_tokens=True))
-    messages = [{"role": "user", "content": text}]
-    return render_chat(tokenizer, messages, {"add_generation_prompt": True})[1]
+    return conversation_prompt_ids(tokenizer, [{"role": "user", "content": text}])

