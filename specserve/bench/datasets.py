@@ -246,13 +246,17 @@ def sharegpt_turn_contexts(num: int, seed: int, heldout: bool) -> list[list[dict
     """`num` chat contexts ending in a later user turn (the conversation before it as history,
     the original replies included), from conversations of the training share (heldout=False)
     or the held-out one, split by their first turn as is_heldout splits first-turn prompts;
-    seed-shuffled."""
+    seed-shuffled. A training context never ends in a turn whose text is held out, so no
+    held-out first-turn prompt (what benchmarks draw) is a training prompt's turn either."""
     out = []
     for conv in load_sharegpt_turns():
         if is_heldout(conv[0][1].strip()) != heldout:
             continue
         msgs = [{"role": r, "content": t} for r, t in conv]
-        out.extend(msgs[: i + 1] for i in range(2, len(msgs), 2) if msgs[i]["content"].strip())
+        for i in range(2, len(msgs), 2):
+            text = msgs[i]["content"].strip()
+            if text and (heldout or not is_heldout(text)):
+                out.append(msgs[: i + 1])
     random.Random(seed).shuffle(out)
     return out[:num]
 

@@ -273,6 +273,7 @@ def test_turn_contexts_keep_the_held_out_conversations_apart():
         assert sum(len(m["content"]) for m in msgs) <= ds.TURN_CONTEXT_CHARS
     # a conversation's every turn is on the side of its first turn
     assert not any(ds.is_heldout(m[0]["content"].strip()) for m in train)
+    assert not any(ds.is_heldout(m[-1]["content"].strip()) for m in train)
     assert all(ds.is_heldout(m[0]["content"].strip()) for m in held)
     assert ds.sharegpt_turn_contexts(3000, seed=0, heldout=False) == train
     assert ds.sharegpt_turn_contexts(50, seed=1, heldout=False) != train[:50]
