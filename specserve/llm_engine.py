@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-import numbers
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +13,8 @@ import torch
 from specserve import env
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError, start_tensor_parallel
+from specserve.engine.admission import admit
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.device import (
     freeze_startup_objects,
     release_dropped_engines,
@@ -38,7 +36,7 @@ from specserve.runner.cuda_graph import CudaGraphBackend
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.runner.step_sampler import StepSampler
 from specserve.runner.timeline import StepTimeline
-from specserve.sampling_params import InvalidRequestError, SamplingParams
+from specserve.sampling_params import SamplingParams
 from specserve.speculative.device_drafting import DEVICE_METHODS, DeviceDrafting
 from specserve.speculative.drafter import build_drafter
 from specserve.speculative.speculator import Speculator
@@ -58,17 +56,6 @@ class EngineStats:
     num_blocks: int
     pool_free: int
     pool_capacity: int
-
-
-def _prompt_ids(prompt: object) -> list[int]:
-    if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-        raise InvalidRequestError(
-            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
-        )
-    ids = list(prompt)
-    if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in ids):
-        raise InvalidRequestError("prompt token ids must be integers", "prompt")
-    return [int(t) for t in ids]
 
 
 class LLMEngine:
@@ -206,7 +193,7 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
         self.requests: dict[str, Sequence] = {}
         self._terminal: list[Sequence] = []  # ended without a token; reported next step
-        self._rng = random.Random(config.seed)
+        self.seed_rng = random.Random(config.seed)  # seeds of requests that set none
         self._next_id = 0
         self.num_steps = 0
         self.num_sync_steps = 0  # launched synchronously (host drafts, or overlap off)
@@ -272,55 +259,12 @@ class LLMEngine:
         *,
         defer_text: bool = False,
     ) -> Sequence:
-        """Validate and queue. A user error raises InvalidRequestError before anything is queued,
-        so no other request is touched. The request gets its own copy of params, checked again
-        here (fields may have changed since construction) and against the model. defer_text:
+        """Validate and queue (admission.py): a user error raises InvalidRequestError before
+        anything is queued, so no other request is touched. defer_text:
         the caller reads the text at the end only (its outputs' text is "" until the last,
         which carries all of it): without stop strings it is decoded once, not per token."""
-        params = copy.copy(params) if params is not None else SamplingParams()
-        params.validate()
-        vocab = self.model_config.vocab_size
-        params.validate_for_model(vocab, self.max_model_len)
-        params.resolve_bad_words(self.tokenizer, vocab)
-        params.check_some_token_allowed(self.eos_ids)
-        if isinstance(prompt, str):
-            if prompt == "":
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: give token ids", "prompt")
-            text: str | None = prompt
-            ids = self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, _prompt_ids(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        if any(i < 0 or i >= vocab for i in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if params.truncate_prompt_tokens is not None:
-            k = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len if k == -1 else k) :]  # vLLM: the last k tokens
-        request_id = request_id or self.new_request_id()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, text, ids, params, seed)
-        if params.structured_outputs is not None:
-            # compiled here, before queueing (the server compiles earlier, off this thread,
-            # and finds it cached); a constraint that does not compile is the caller's error
-            seq.grammar = self.grammars.matcher(params.structured_outputs)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-                params.min_tokens,
-                defer=defer_text,
-            )
-        self.requests[request_id] = seq
+        seq = admit(self, prompt, params, request_id, arrival_time, defer_text)
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         if seq.is_finished:  # prompt too long: finish_reason prompt_length_exceeded
             self._terminal.append(seq)
