@@ -11,13 +11,14 @@ from typing import Any
 from specserve.sampling_params import InvalidRequestError
 from specserve.server.compat import check_chat_body
 from specserve.server.errors import bad_request
+from specserve.server.prepare import invalid
 from specserve.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from specserve.server.responses import DetokenizeResponse, TokenizeResponse
-from specserve.server.serving import OpenAIServing, invalid
+from specserve.server.serving import OpenAIServing
 from specserve.server.validation import validate_body
 
 
