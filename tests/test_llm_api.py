@@ -247,7 +247,8 @@ def test_accepted_vllm_arguments_reach_the_engine() -> None:
 
 def test_server_seeds_samples_the_same_way() -> None:
     pytest.importorskip("fastapi")
-    from specserve.server import serving
+    from specserve.server.prepare import _with_seed
 
-    for seed, i in [(0, 0), (0, 1), (1234, 2), (2**62, 7)]:
-        assert serving.derive_seed(seed, i) == derive_seed(seed, i)
+    for seed, i in [(0, 1), (1234, 2), (2**62, 7)]:  # the server's i-th sample (i >= 1)
+        base = SamplingParams(seed=seed)
+        assert _with_seed(base, seed, i).seed == derive_seed(seed, i) and base.seed == seed
