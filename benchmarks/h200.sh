@@ -29,9 +29,15 @@ TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle r
 HEAD=$TRAIN/head
 EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency 1,16 --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats 5 --interleave --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
-  tests)  # the GPU test suite (~6 min)
-    timeout 560 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu tests/ops tests/model 2>&1 | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
-    tail -3 "$OUT/gpu_tests.txt" ;;
+  tests)  # the GPU test suite (~4 min): engine tests in order, the rest 6 at a time beside them
+    P="python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider"
+    E="cuda_graph overlap device_drafting eagle3 logits_processing_gpu verify_budget_gpu"
+    timeout 560 $P -n 6 tests/gpu tests/ops tests/model $(for e in $E; do echo --ignore=tests/gpu/test_$e.py; done) \
+      > "$OUT/gpu_kernel_tests.txt" 2>&1 &
+    timeout 560 $P --durations=10 $(for e in $E; do echo tests/gpu/test_$e.py; done) 2>&1 \
+      | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
+    wait
+    tail -3 "$OUT/gpu_tests.txt" "$OUT/gpu_kernel_tests.txt" ;;
   decode)  # batch-1 decode against the copy-bandwidth roofline; 256 requests against HF continuous batching
     $S $B1 --model dummy:llama-3.1-8b --json "$OUT/b1_llama8b.json"
     $S $B1 --model dummy:smollm2-135m --json "$OUT/b1_smollm2.json"
