@@ -34,33 +34,25 @@ tools = [
 ]
 msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
 kw = dict(model=MODEL, api_base=BASE, api_key="unused", temperature=0, max_tokens=60)
+
+
+def checked_call(message, how: str, choice) -> object:  # noqa: ANN001
+    """The one get_weather call of `message`, its arguments checked; printed."""
+    (call,) = message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args["city"], str), message
+    print(how, choice if isinstance(choice, str) else "named", "->", call.function.name, args)
+    return call
+
+
 for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
     r = litellm.completion(messages=msgs, tools=tools, tool_choice=choice, **kw)
-    (call,) = r.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert call.function.name == "get_weather" and isinstance(args["city"], str), r
-    print(
-        "non-streamed",
-        choice if isinstance(choice, str) else "named",
-        "->",
-        call.function.name,
-        args,
-    )
+    checked_call(r.choices[0].message, "non-streamed", choice)
     chunks = list(
         litellm.completion(messages=msgs, tools=tools, tool_choice=choice, stream=True, **kw)
     )
     built = litellm.stream_chunk_builder(chunks, messages=msgs)
-    (call,) = built.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert call.function.name == "get_weather" and isinstance(args["city"], str), built
-    print(
-        "streamed",
-        choice if isinstance(choice, str) else "named",
-        "->",
-        call.function.name,
-        args,
-        f"({len(chunks)} chunks)",
-    )
+    call = checked_call(built.choices[0].message, f"streamed ({len(chunks)} chunks)", choice)
 # history with the tool's answer goes back through the template
 msgs2 = msgs + [
     built.choices[0].message.model_dump(exclude_none=True),
