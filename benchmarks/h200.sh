@@ -6,7 +6,7 @@
 #   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
 #   path is gone in the next call unless carried again; /tmp stays)
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-head-resume | eagle | steps | structured (default: decode)
+#   train-data | train-head-resume | eagle | steps | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -55,17 +55,21 @@ case ${1:-decode} in
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
   gguf1|gguf2|gguf3) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
+  train-data) mkdir -p /tmp/train-data && cp .devcarry-train/* /tmp/train-data/ ;;
   train-head|train-head-resume)  # the default model's EAGLE-3 head, trained on its own answers
-    # over two calls (~15 min): the first answers every training prompt and trains until its
-    # time limit, the second (train-head-resume) finishes training, calibrates and evaluates
+    # over two calls (~18 min): the first answers every training prompt (~36k, ~8 min) and
+    # trains until its time limit, the second (train-head-resume) finishes training (440 s in
+    # all), calibrates and evaluates
     # a machine lost between the calls loses /tmp: the first call also returns the answers
-    # (train_data.tgz, ~10 MB); carried back as .devcarry-train/, the second call retrains from them
+    # (train_data.tgz.*, in 12 MB parts, ~25 MB): carry them back as .devcarry-train/ in a call
+    # of part train-data (alone: with .devcarry they outgrow a call), then the second call
+    # retrains from them
     join_gguf; R=; [ $1 = train-head-resume ] && R=--resume
-    if [ -n "$R" ] && [ ! -d $TRAIN/data ] && [ -f .devcarry-train/train_data.tgz ]; then
-      mkdir -p $TRAIN && tar xzf .devcarry-train/train_data.tgz -C $TRAIN
+    if [ -n "$R" ] && [ ! -d $TRAIN/data ] && [ -f /tmp/train-data/train_data.tgz.aa ]; then
+      mkdir -p $TRAIN && cat /tmp/train-data/train_data.tgz.* | tar xzf - -C $TRAIN
     fi
-    $S train-head --out $TRAIN --num-prompts 14000 --max-num-seqs 512 --train-seconds 600 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 530 --no-progress $R
-    [ -z "$R" ] && tar czf "$OUT/train_data.tgz" -C $TRAIN data
+    $S train-head --out $TRAIN --turns all --num-prompts 40000 --max-prompt-tokens 1024 --max-num-seqs 512 --train-seconds 440 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 530 --no-progress $R
+    [ -z "$R" ] && tar czf - -C $TRAIN data | split -b 12m - "$OUT/train_data.tgz."
     if [ -f $TRAIN/report.json ]; then
       cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
       (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.")
@@ -80,5 +84,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-head-resume | eagle | steps | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | structured)" >&2; exit 2 ;;
 esac

@@ -276,7 +276,9 @@ class Trainer:
         end the call early, with a checkpoint to resume from."""
         st = self.state
         start_step, t0 = st.step, time.monotonic()
-        t_probe = None  # --train-seconds: when the timed probe steps began
+        # --train-seconds: when the timed probe steps began, and at which step; the probe runs
+        # in whichever call first trains unsized (a call may end before its probe is done)
+        t_probe, probe_from = None, 0
         bar = tqdm(
             total=self.total_steps,
             initial=st.step,
@@ -293,12 +295,12 @@ class Trainer:
                     st.epoch, st.batch = st.epoch + 1, 0
                     continue
                 sizing = self.opts.train_seconds is not None and st.total_steps is None
-                if sizing and st.step == 1:
-                    t_probe = time.monotonic()
+                if sizing and t_probe is None and st.step > start_step:  # after the warm-up
+                    t_probe, probe_from = time.monotonic(), st.step
                 rec = self.train_step(batches[st.batch])
                 st.step += 1
-                if sizing and t_probe is not None and st.step > PROBE_STEPS:
-                    self._size_by_time((time.monotonic() - t_probe) / (st.step - 1))
+                if sizing and t_probe is not None and st.step - probe_from >= PROBE_STEPS:
+                    self._size_by_time((time.monotonic() - t_probe) / (st.step - probe_from))
                     bar.total = self.total_steps
                 st.batch += 1
                 rec.update(step=st.step, epoch=st.epoch)

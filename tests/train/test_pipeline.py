@@ -156,8 +156,8 @@ def test_train_seconds_sizes_the_schedule_from_measured_speed(
     tmp_path: Path, train_target_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--train-seconds: after the probe steps the run is sized to the budget at the measured
-    speed (a fake clock: 2 s a step), the schedule decays to zero at that step, and the size
-    survives a resume."""
+    speed (a fake clock: 2 s a step), the schedule decays to zero at that step, the size
+    survives a resume, and a call cut short before its probe leaves the sizing to the next."""
     import specserve.train.trainer as tr
 
     target = load_model(str(train_target_dir), torch.float32, torch.device("cpu"), progress=False)
@@ -183,6 +183,20 @@ def test_train_seconds_sizes_the_schedule_from_measured_speed(
     )
     again.load_checkpoint()
     assert again.finished and again.total_steps == 15
+    # a call that ends before its probe is done (answering prompts ate its time limit): the
+    # resumed call probes and sizes the run itself
+    longer = TrainOptions(ttt_steps=1, epochs=50, batch_size=1, train_seconds=61.0, save_every=100)
+    cut = Trainer(
+        target.model, build_head(target.model, vocab, 0), samples, longer, tmp_path / "d", False
+    )
+    cut.run(stop_after=4)
+    assert cut.state.total_steps is None and cut.state.step == 4
+    resumed = Trainer(
+        target.model, build_head(target.model, vocab, 0), samples, longer, tmp_path / "d", False
+    )
+    resumed.load_checkpoint()
+    resumed.run()
+    assert resumed.finished and resumed.state.total_steps == 30  # 61 s / 2 s a step
     tiny = TrainOptions(ttt_steps=1, epochs=1, batch_size=4, train_seconds=1e6, save_every=100)
     capped = Trainer(
         target.model, build_head(target.model, vocab, 0), samples, tiny, tmp_path / "c", False
