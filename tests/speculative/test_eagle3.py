@@ -173,6 +173,28 @@ def test_greedy_eagle3_is_token_for_token_identical(target, prompts, ref, heads,
     assert llm.engine.slot_pool.num_in_use == 0
 
 
+def test_a_cpu_head_serves_packed_and_drafts_what_the_dense_head_drafts(
+    target, prompts, ref, heads
+):
+    """On the CPU the head's linears are packed as the target's (model/cpu_linear.py): its
+    drafts, hence the accepted counts, are the dense head's (and outputs the target's)."""
+    from specserve.model.cpu_linear import PackedLinear, packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    accepted = {}
+    for mode in ("auto", "torch"):
+        with env.override(cpu_linear=mode):
+            spec = _spec(heads["copy"], verify_budget="off")  # no timing in the choice
+            llm = make_llm(model=target[0], speculative_config=spec)
+        packed = [m for m in llm.engine.drafter.head.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == (mode == "auto")
+        assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
+        m = llm.get_metrics()
+        accepted[mode] = (m["spec_draft_tokens"], m["spec_accepted_tokens"])
+    assert accepted["auto"] == accepted["torch"] and accepted["auto"][1] > 0
+
+
 @pytest.mark.parametrize("head", ["copy", "random"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head, temperature):
