@@ -47,9 +47,7 @@ def pack_catch_up(
     past a request's blocks the trash block."""
     tokens, emit_at, positions, row_req, verify_row = rows
     width = max(-(-top // block_size), max(len(t) for t in tables), min_width)
-    bt = np.full((len(tables), width), trash, dtype=np.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = t
+    bt = table_rows(tables, width, trash)
     cu = np.zeros(len(qlens) + 1, dtype=np.int32)
     np.cumsum(qlens, out=cu[1:])
 
@@ -72,6 +70,14 @@ def pack_catch_up(
         max(qlens),
         top,
     )
+
+
+def table_rows(tables: list[list[int]], width: int, trash: int) -> np.ndarray:
+    """[R, width] int32 block tables, the trash block past each request's blocks."""
+    bt = np.full((len(tables), width), trash, dtype=np.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = t
+    return bt
 
 
 def kv_slots(

@@ -13,8 +13,9 @@ taken from the lengths the step just wrote. The k - 1 chained steps then run one
 request at positions len - 1, len, ... (the scheduler grows each request's blocks k - 1
 positions past its rows for them).
 
-The catch-up step runs eagerly (its rows vary); the chained steps replay CUDA graphs
-(eagle3_chain.py).
+On CUDA a steady step (no request with prompt rows to catch up) replays one CUDA graph for the
+catch-up and the chain (eagle3_chain.py); a step that admits a request catches up eagerly (its
+rows vary) and replays the chain's graph.
 """
 
 from __future__ import annotations
@@ -26,11 +27,18 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
+from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.catch_up import CatchUp, draft_sampling, kv_slots, pack_catch_up
+from specserve.speculative.catch_up import (
+    CatchUp,
+    draft_sampling,
+    kv_slots,
+    pack_catch_up,
+    table_rows,
+)
 from specserve.speculative.eagle3 import Eagle3Drafter
-from specserve.speculative.eagle3_chain import Eagle3Chain
+from specserve.speculative.eagle3_chain import Eagle3Chain, SteadyRows
 
 
 class Eagle3DeviceDrafter:
@@ -62,6 +70,7 @@ class Eagle3DeviceDrafter:
             self.block_size,
             self.trash,
             padded=self.device.type == "cuda",
+            store=drafter.store,
         )
 
     def capture(self, backend) -> None:
@@ -74,8 +83,17 @@ class Eagle3DeviceDrafter:
         self._caught_up.pop(seq.request_id, None)
 
     # -- host ---------------------------------------------------------------------------------
-    def layout(self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]) -> CatchUp:
-        """Read from the requests at launch: the catch-up rows of each sampling request."""
+    def layout(
+        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+    ) -> CatchUp | SteadyRows:
+        """Read from the requests at launch: the catch-up rows of each sampling request (a
+        steady step under the chain's graphs: only their block tables)."""
+        fresh = [self._caught_up.get(s.request_id) != s.epoch for s in seqs]
+        for seq in seqs:
+            self._caught_up[seq.request_id] = seq.epoch
+        if self.chain.buckets and not any(fresh):
+            tables = table_rows([s.block_table.blocks for s in seqs], self.width, self.trash)
+            return SteadyRows(h2d(tables, torch.int32, self.device))
         k = self.pool.k
         tokens: list[int] = []
         emit_at: list[int] = []
@@ -88,10 +106,8 @@ class Eagle3DeviceDrafter:
         top = 1
         row = 0
         for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
-            fresh = self._caught_up.get(seq.request_id) != seq.epoch
-            self._caught_up[seq.request_id] = seq.epoch
             # a fresh request has no drafts in flight, so its p0 is exact
-            pre = p0 if fresh else 0
+            pre = p0 if fresh[i] else 0
             tokens += seq.token_ids[1 : pre + 1] + [0] * (nd + 1)
             emit_at += [0] * pre + list(range(row + 1, row + nd + 2))
             positions += list(range(0, pre)) + list(range(p0, p0 + nd + 1))
@@ -146,7 +162,7 @@ class Eagle3DeviceDrafter:
     @torch.inference_mode()
     def draft(
         self,
-        lay: CatchUp,
+        lay: CatchUp | SteadyRows,
         plan: SamplerPlan,
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
@@ -159,6 +175,14 @@ class Eagle3DeviceDrafter:
             result.verified_token_ids.to(torch.int64),
             result.sampled_token_ids[layout.row_to_req],
         )
+        # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
+        t = draft_sampling(plan.t, layout.ftp, num_output)
+        if isinstance(lay, SteadyRows):
+            self.chain.run_steady(
+                lay, emitted, acc, layout.seqlens_q, layout.ftp, seq_len, num_output,
+                plan.slots, t,
+            )  # fmt: skip
+            return
         src = emitted[(lay.emit_at - 1).clamp_min(0)]
         tokens = torch.where(lay.emit_at > 0, src, lay.tokens)
         # the host laid verify rows out from p0_host; the true anchor is len - accepted - 2
@@ -180,8 +204,6 @@ class Eagle3DeviceDrafter:
         final = lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix + acc  # [R]
         hidden = self.inner.store[slots]  # the target's g at each position
         prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
-        # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
-        t = draft_sampling(plan.t, layout.ftp, num_output)
         q = target_probs(logits, t)  # [R, V]
         tok = sample(q, t, DRAFT_SALT)
         pool.q.index_copy_(0, plan.slots * k, q)

@@ -445,13 +445,14 @@ def _padded(llm) -> _FakeGraphs:
     old = md.chain
     md.chain = Eagle3Chain(
         md._step, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
-        md.block_size, md.trash, padded=True,
+        md.block_size, md.trash, padded=True, store=md.inner.store,
     )  # fmt: skip
     fake = _FakeGraphs()
     md.chain.capture(fake, lambda: md.head.rotary._table)
     return fake
 
 
+@pytest.mark.parametrize("head", ["random", "copy"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
     target,
@@ -459,16 +460,22 @@ def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
     ref,
     heads,
     temperature,
+    head,
 ):
-    spec = _spec(heads["random"], k=3, verify_budget="off")
+    """The graphs' bodies (chain, and steady catch-up + chain, padded to buckets) replayed on
+    the CPU draft what the eager catch-up and chain draft, to the token."""
+    spec = _spec(heads[head], k=3, verify_budget="off")
     kw = dict(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
     eager, graphs = make_llm(**kw), make_llm(**kw)
     fake = _padded(graphs)
-    assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
+    assert fake.captured == 2 * len(chain_buckets(8)) * len(_SHAPES)  # chain, steady
     sp = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
     a = eager.generate(prompts, sp, use_tqdm=False)
     b = graphs.generate(prompts, sp, use_tqdm=False)
     assert fake.replays > 0
+    # most steps caught up inside the graph (the steady state), the rest eagerly (admissions)
+    chain = graphs.engine.device_drafting.model_drafter.chain
+    assert chain.num_steady > chain.num_replays / 2
     assert _ids(a) == _ids(b)
     if temperature == 0.0:
         assert _ids(b) == ref
