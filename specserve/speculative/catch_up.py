@@ -10,9 +10,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specserve.engine.sequence import Sequence
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import h2d_packed
+from specserve.runner.step_sampler import SamplerPlan
+from specserve.sample.verify import VerifyResult
 
 
 class CatchUp(NamedTuple):
@@ -72,6 +75,15 @@ def pack_catch_up(
     )
 
 
+def mark_fresh(caught_up: dict[str, int], seqs: list[Sequence]) -> list[bool]:
+    """Which requests draft for the first time since they (re)started running (their drafter
+    KV is missing: they catch up from position 0); marks every one caught up in its epoch."""
+    fresh = [caught_up.get(s.request_id) != s.epoch for s in seqs]
+    for s in seqs:
+        caught_up[s.request_id] = s.epoch
+    return fresh
+
+
 def table_rows(tables: list[list[int]], width: int, trash: int) -> np.ndarray:
     """[R, width] int32 block tables, the trash block past each request's blocks."""
     bt = np.full((len(tables), width), trash, dtype=np.int32)
@@ -87,6 +99,21 @@ def kv_slots(
     for positions past the table (the trash block)."""
     col = (pos // block_size).clamp(0, bt.shape[1] - 1)
     return bt[req, col].to(torch.int64) * block_size + pos % block_size
+
+
+def settled(
+    plan: SamplerPlan, result: VerifyResult, num_output: torch.Tensor
+) -> tuple[torch.Tensor, SamplingTensors]:
+    """What a drafter reads of a verified step: the token each verify-layout row emitted (its
+    verified token, else the request's sampled one) [T] int64, and per request sampling params
+    (draft_sampling, counters at num_output)."""
+    layout = plan.layout
+    emitted = torch.where(
+        result.verified_token_ids >= 0,
+        result.verified_token_ids.to(torch.int64),
+        result.sampled_token_ids[layout.row_to_req],
+    )
+    return emitted, draft_sampling(plan.t, layout.ftp, num_output)
 
 
 def draft_sampling(

@@ -78,7 +78,9 @@ class DeviceDrafting:
         if spec.method == "draft_model":
             from specserve.speculative.draft_model import DraftModelDrafter
 
-            self.model_drafter = DraftModelDeviceDrafter(DraftModelDrafter(spec, engine), pool)
+            self.model_drafter = DraftModelDeviceDrafter(
+                DraftModelDrafter(spec, engine), pool, max_model_len
+            )
         elif spec.method == "eagle3":
             from specserve.speculative.eagle3 import Eagle3Drafter
 
@@ -94,8 +96,8 @@ class DeviceDrafting:
             self.golden = GoldenDeviceDrafter(pool, spec.acceptance_rate, vocab_size, seed)
 
     def capture(self, backend) -> None:
-        """CUDA graphs of the drafter's fixed-shape work (EAGLE-3's chained steps)."""
-        if isinstance(self.model_drafter, Eagle3DeviceDrafter):
+        """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
+        if self.model_drafter is not None:
             self.model_drafter.capture(backend)
 
     # -- host ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ was fed by the previous round's catch-up as that round's last token. Under overl
 only on the device: each request's correction is its host p0 less the true one, from the
 lengths the step just wrote. The k - 1 chained steps then run one row per request at positions
 len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
-trash block). Eager: a few small forwards per draft position after the target's step.
+trash block). On CUDA a steady step (no request with prompt rows) replays one CUDA graph for
+all of it (draft_model_chain.py); a step that admits a request runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
     ChainRows,
-    draft_sampling,
     kv_slots,
+    mark_fresh,
     pack_catch_up,
+    settled,
 )
+from specserve.speculative.draft_graphs import SteadyRows
 from specserve.speculative.draft_model import DraftModelDrafter
+from specserve.speculative.draft_model_chain import DraftModelChain
 
 
 class DraftModelDeviceDrafter:
-    def __init__(self, drafter: DraftModelDrafter, pool: DraftSlotPool) -> None:
+    def __init__(self, drafter: DraftModelDrafter, pool: DraftSlotPool, max_model_len: int) -> None:
         assert pool.q is not None, "a draft model's drafts carry q: the pool must store it"
         self.pool = pool
         self.model = drafter.runner.model
@@ -58,12 +62,32 @@ class DraftModelDeviceDrafter:
         self.caches = [KVCache(zeros(), zeros()) for _ in range(num_layers)]
         drafter.runner.kv_caches = self.caches
         self._caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
+        # block-table columns of every position a step touches (chain included), + the trash one
+        self.width = -(-(max_model_len + pool.k + 2) // self.block_size) + 1
+        self.chain = DraftModelChain(
+            self._logits, pool, self.width, self.block_size, self.trash,
+            padded=self.device.type == "cuda",
+        )  # fmt: skip
+
+    def capture(self, backend) -> None:
+        """CUDA graphs of steady drafting (after the target's: the draft model's rotary table
+        is built for the graphs' bound first)."""
+        dtype = self.caches[0].k.dtype
+        self.chain.capture(
+            backend, self.model.rotary.table(self.chain.max_context_len, self.device, dtype)
+        )
 
     def release(self, seq: Sequence) -> None:
         self._caught_up.pop(seq.request_id, None)
 
     # -- host ---------------------------------------------------------------------------------
-    def layout(self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]) -> CatchUp:
+    def layout(
+        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+    ) -> CatchUp | SteadyRows:
+        fresh = mark_fresh(self._caught_up, seqs)
+        steady = self.chain.steady_rows(seqs, fresh)
+        if steady is not None:
+            return steady
         k = self.pool.k
         tokens: list[int] = []
         emit_at: list[int] = []
@@ -75,9 +99,7 @@ class DraftModelDeviceDrafter:
         tables: list[list[int]] = []
         top, row = 1, 0
         for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
-            fresh = self._caught_up.get(seq.request_id) != seq.epoch
-            self._caught_up[seq.request_id] = seq.epoch
-            lead = p0 + 1 if fresh else 0  # a fresh request has no drafts in flight: p0 exact
+            lead = p0 + 1 if fresh[i] else 0  # a fresh request has no drafts in flight: p0 exact
             tokens += seq.token_ids[:lead] + [0] * (nd + 1)
             emit_at += [0] * lead + list(range(row + 1, row + nd + 2))
             positions += list(range(lead)) + list(range(p0 + 1, p0 + nd + 2))
@@ -109,19 +131,18 @@ class DraftModelDeviceDrafter:
     @torch.inference_mode()
     def draft(
         self,
-        lay: CatchUp,
+        lay: CatchUp | SteadyRows,
         plan: SamplerPlan,
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
     ) -> None:
-        pool, layout, k = self.pool, plan.layout, self.pool.k
+        pool, k = self.pool, self.pool.k
         acc = result.num_accepted
-        emitted = torch.where(
-            result.verified_token_ids >= 0,
-            result.verified_token_ids.to(torch.int64),
-            result.sampled_token_ids[layout.row_to_req],
-        )
+        # per request sampling params: each one's at its first verify row, DRAFT_SALT stream
+        emitted, t = settled(plan, result, num_output)
+        if isinstance(lay, SteadyRows):
+            return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
         tokens = torch.where(lay.emit_at > 0, emitted[(lay.emit_at - 1).clamp_min(0)], lay.tokens)
         start = lay.cu_query_lens[:-1].to(torch.int64)
         # the host laid the emitted rows out from p0_host + 1; the true anchor is len - acc - 2
@@ -138,7 +159,6 @@ class DraftModelDeviceDrafter:
             max_context_len=lay.max_context_len,
         )
         logits = self._logits(tokens, pos, ctx, start + lay.prefix + acc)  # at position len - 1
-        t = draft_sampling(plan.t, layout.ftp, num_output)
         chain = ChainRows(lay, seq_len.shape[0], seq_len.device, self.block_size)
         drafts, confs = [], []
         base = plan.slots * k

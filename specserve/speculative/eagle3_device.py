@@ -27,18 +27,18 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
-from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
-    draft_sampling,
     kv_slots,
+    mark_fresh,
     pack_catch_up,
-    table_rows,
+    settled,
 )
+from specserve.speculative.draft_graphs import SteadyRows
 from specserve.speculative.eagle3 import Eagle3Drafter
-from specserve.speculative.eagle3_chain import Eagle3Chain, SteadyRows
+from specserve.speculative.eagle3_chain import Eagle3Chain
 
 
 class Eagle3DeviceDrafter:
@@ -76,8 +76,10 @@ class Eagle3DeviceDrafter:
     def capture(self, backend) -> None:
         """CUDA graphs of the chained steps (after the target's: the head's rotary table is
         built for the chain's bound first)."""
-        self.head.rotary.table(self.chain.max_context_len, self.device, self.inner.store.dtype)
-        self.chain.capture(backend, lambda: self.head.rotary._table)
+        table = self.head.rotary.table(
+            self.chain.max_context_len, self.device, self.inner.store.dtype
+        )
+        self.chain.capture(backend, table)
 
     def release(self, seq: Sequence) -> None:
         self._caught_up.pop(seq.request_id, None)
@@ -88,12 +90,10 @@ class Eagle3DeviceDrafter:
     ) -> CatchUp | SteadyRows:
         """Read from the requests at launch: the catch-up rows of each sampling request (a
         steady step under the chain's graphs: only their block tables)."""
-        fresh = [self._caught_up.get(s.request_id) != s.epoch for s in seqs]
-        for seq in seqs:
-            self._caught_up[seq.request_id] = seq.epoch
-        if self.chain.buckets and not any(fresh):
-            tables = table_rows([s.block_table.blocks for s in seqs], self.width, self.trash)
-            return SteadyRows(h2d(tables, torch.int32, self.device))
+        fresh = mark_fresh(self._caught_up, seqs)
+        steady = self.chain.steady_rows(seqs, fresh)
+        if steady is not None:
+            return steady
         k = self.pool.k
         tokens: list[int] = []
         emit_at: list[int] = []
@@ -168,21 +168,12 @@ class Eagle3DeviceDrafter:
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
     ) -> None:
-        pool, layout, k = self.pool, plan.layout, self.pool.k
+        pool, k = self.pool, self.pool.k
         acc = result.num_accepted
-        emitted = torch.where(
-            result.verified_token_ids >= 0,
-            result.verified_token_ids.to(torch.int64),
-            result.sampled_token_ids[layout.row_to_req],
-        )
-        # per request sampling rows: its params at its first verify row, DRAFT_SALT stream
-        t = draft_sampling(plan.t, layout.ftp, num_output)
+        # per request sampling params: each one's at its first verify row, DRAFT_SALT stream
+        emitted, t = settled(plan, result, num_output)
         if isinstance(lay, SteadyRows):
-            self.chain.run_steady(
-                lay, emitted, acc, layout.seqlens_q, layout.ftp, seq_len, num_output,
-                plan.slots, t,
-            )  # fmt: skip
-            return
+            return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
         src = emitted[(lay.emit_at - 1).clamp_min(0)]
         tokens = torch.where(lay.emit_at > 0, src, lay.tokens)
         # the host laid verify rows out from p0_host; the true anchor is len - accepted - 2

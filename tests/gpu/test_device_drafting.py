@@ -105,6 +105,10 @@ def test_device_drafting_matches_speculation_off(
     assert eng.ledger.spec.num_accepted_tokens > 0
     if not enforce_eager:
         assert eng.runner.graphs.num_verify_replays > 0  # drafts read inside the graphs
+    md = eng.device_drafting.model_drafter
+    if md is not None:  # the draft model's steady drafting: graphs, or their eager twin
+        assert md.chain.num_steady > 0
+        assert (md.chain.num_replays > 0) == (not enforce_eager)
 
 
 @pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])

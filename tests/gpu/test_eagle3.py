@@ -106,8 +106,9 @@ def test_greedy_device_eagle3_with_overlap_on_cuda(target, prompts, ref, tmp_pat
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_eagle3_chain_graphs_draft_as_eager(target, prompts, ref, tmp_path, temperature):
-    """The chained head steps replay CUDA graphs (eagle3_chain.py) and draft, bit for bit, what
-    the same padded chain run eagerly drafts: same outputs, same accepted drafts."""
+    """The head's steps (the chain, and in the steady state the catch-up too) replay CUDA graphs
+    (eagle3_chain.py) and draft, bit for bit, what the same padded bodies run eagerly draft:
+    same outputs, same accepted drafts."""
     ids = sorted(set(range(100, 140)) | {t for r in ref for t in r[:2]})
     head = write_tiny_head(tmp_path / "random", target[1], ids, LAYERS, confidence=True)
     sp = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
@@ -122,6 +123,7 @@ def test_device_eagle3_chain_graphs_draft_as_eager(target, prompts, ref, tmp_pat
         outs = _ids(llm.generate(prompts, sp, use_tqdm=False))
         chain = llm.engine.device_drafting.model_drafter.chain
         assert (chain.num_replays > 0) == (not eager)
+        assert chain.num_steady > 0  # the catch-up inside the graph (or its eager twin)
         spec = llm.engine.ledger.spec
         runs[eager] = (outs, spec.num_draft_tokens, spec.num_accepted_tokens)
     assert runs[False] == runs[True]

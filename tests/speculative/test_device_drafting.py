@@ -2,6 +2,7 @@
 slot pool, read there by the next step, which the host launched before seeing them. On CPU the
 device work runs in the worker thread; the same code runs on CUDA (tests/gpu/test_overlap.py)."""
 
+import json
 import random
 
 import pytest
@@ -290,6 +291,45 @@ def test_device_draft_model(temperature):
         assert _run(llm, prompts, sp) == got
         assert spec_counts.num_accepted_tokens > 0
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+@pytest.mark.parametrize("draft,temperature", [("self", 0.0), ("other", 0.0), ("other", 1.0)])
+def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
+    tmp_path, draft, temperature
+):
+    """Steady draft-model drafting as the CUDA graphs run it (draft_model_chain.py: catch-up
+    padded to k + 1 rows a request, then the chain), replayed on the CPU, drafts what the eager
+    path drafts, to the token: the same outputs and the same draft and accept counts. The
+    target drafting for itself must have every draft accepted (a wrong position or token
+    anywhere would show as a rejection); another model gets some rejected."""
+    from specserve.model.loader.dummy import PRESETS
+    from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
+    from specserve.speculative.draft_model_chain import DraftModelChain
+    from tests.speculative.test_eagle3 import _FakeGraphs
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["tiny"], num_hidden_layers=1)))
+    model = "self" if draft == "self" else f"dummy:{tmp_path}"
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    kw = dict(max_num_seqs=8, overlap=True, speculative_config=spec | {"verify_budget": "off"})
+    eager, graphs = make_llm(**kw), make_llm(**kw)
+    md = graphs.engine.device_drafting.model_drafter
+    md.chain = DraftModelChain(md._logits, md.pool, md.width, md.block_size, md.trash, True)
+    fake = _FakeGraphs()
+    md.capture(fake)
+    assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
+    prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)
+    sp = SamplingParams(temperature=temperature, seed=2, max_tokens=24, ignore_eos=True)
+    assert _run(graphs, prompts, sp) == _run(eager, prompts, sp)
+    assert md.chain.num_steady > 0 and fake.replays >= md.chain.num_steady
+    sa, sb = eager.engine.ledger.spec, graphs.engine.ledger.spec
+    assert (sb.num_draft_tokens, sb.num_accepted_tokens) == (
+        sa.num_draft_tokens,
+        sa.num_accepted_tokens,
+    )
+    if draft == "self":
+        assert sb.num_accepted_tokens == sb.num_draft_tokens > 0
+    else:
+        assert 0 < sb.num_accepted_tokens < sb.num_draft_tokens
 
 
 def _budgeted(rate: float, cost, k: int = 4):

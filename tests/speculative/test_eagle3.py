@@ -23,7 +23,8 @@ from specserve.ops.sampling import SamplingTensors, target_probs
 from specserve.sample.layout import build_layout
 from specserve.sample.verify import verify
 from specserve.sampling_params import InvalidRequestError
-from specserve.speculative.eagle3_chain import _SHAPES, Eagle3Chain, chain_buckets
+from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
+from specserve.speculative.eagle3_chain import Eagle3Chain
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.harness import PagedRunner
 from tests.model.test_eagle3_format import head_config, write_head, write_tiny_head
@@ -448,7 +449,7 @@ def _padded(llm) -> _FakeGraphs:
         md.block_size, md.trash, padded=True, store=md.inner.store,
     )  # fmt: skip
     fake = _FakeGraphs()
-    md.chain.capture(fake, lambda: md.head.rotary._table)
+    md.chain.capture(fake, md.head.rotary._table)
     return fake
 
 

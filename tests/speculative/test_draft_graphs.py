@@ -1,5 +1,6 @@
-"""The chained EAGLE-3 steps (eagle3_chain.py): buckets, and coarse sampling shapes that give the very
-probabilities of each request's own filters (test_eagle3.py runs the padded chain end to end)."""
+"""The model drafters' graphs (draft_graphs.py): buckets, and coarse sampling shapes that give the
+very probabilities of each request's own filters (test_eagle3.py and test_device_drafting.py run
+the padded bodies end to end)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from specserve import SamplingParams
 from specserve.ops.sampling import SamplingTensors, target_probs
-from specserve.speculative.eagle3_chain import _SHAPES, chain_buckets, sampling_shape
+from specserve.speculative.draft_graphs import _SHAPES, chain_buckets, sampling_shape
 
 
 def test_buckets_cover_every_request_count():
