@@ -38,6 +38,12 @@ host() {
   for c in generate stream; do
     $S bench host-profile --consumer $c --batch-sizes 1,256 --json "$OUT/host_profile_$c.json"
   done
+  # the default model with the shipped head drafting inside the step (overlap: the CPU worker),
+  # against speculation off: what speculation adds to the host's part of a step
+  local m spec='{"method": "eagle3", "num_speculative_tokens": 5, "verify_budget": "off", "model": "specserve/heads/smollm2-135m-instruct"}'
+  m=$(.venv/bin/python -c "from specserve.model.loader import default_model_path; print(default_model_path())")
+  $S bench host-profile --model "$m" --overlap --batch-sizes 1,16 --json "$OUT/host_profile_off_smollm2.json"
+  $S bench host-profile --model "$m" --overlap --batch-sizes 1,16 --speculative-config "$spec" --json "$OUT/host_profile_eagle3_smollm2.json"
 }
 # what a JSON-schema grammar adds to a decode step at 64 requests (mask fill on the host)
 structured() {

@@ -62,6 +62,7 @@ PHASES = (
     "launch",
     "readback",
     "ledger",
+    "draft",
     "detokenize",
     "outputs",
     "engine",
@@ -128,6 +129,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "so prepare is the H200's host work; eager: the CPU engine's own step inputs",
     )
     p.add_argument("--stop", action="append", default=[], help="a stop string for every request")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculation, as for `generate` (e.g. \'{"method": "eagle3", '
+        '"num_speculative_tokens": 5}\'); golden drafts get random golden ids. Host drafters '
+        "(no --overlap) time their drafting as the draft phase; device drafters draft inside "
+        "the device part",
+    )
     p.add_argument("--dtype", default="float32", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU forward)")
@@ -209,6 +218,8 @@ def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
     clock.wrap(eng.launcher, "launch", "launch")
     clock.wrap(SampledStep, "wait", "readback")
     clock.wrap(eng.ledger, "process_outputs", "ledger")
+    if eng.speculator is not None:  # host drafting (with device drafting: inside the device)
+        clock.wrap(eng.speculator, "propose", "draft")
     if level < 2:
         return
     clock.wrap(eng.ledger, "_token_output", "outputs")
@@ -217,7 +228,7 @@ def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
     clock.wrap(TokenOutput, "clone", "outputs")
 
 
-def _consume(llm: Any, prompts: list[list[int]], params: Any, consumer: str) -> None:
+def _consume(llm: Any, prompts: list[list[int]], params: list[Any], consumer: str) -> None:
     """Run the requests to the end as a caller would."""
     if consumer == "generate":
         llm.generate(prompts, params, use_tqdm=False)
@@ -226,8 +237,8 @@ def _consume(llm: Any, prompts: list[list[int]], params: Any, consumer: str) -> 
             pass
     else:
         eng = llm.engine
-        for p in prompts:
-            eng.add_request(p, params)
+        for p, sp in zip(prompts, params):
+            eng.add_request(p, sp)
         while eng.has_unfinished():
             for out in eng.step():
                 out.text  # noqa: B018 - what a caller reads: the token's text
@@ -253,9 +264,19 @@ def _timed_pass(
     rng = random.Random(args.seed + batch)
     bound = min(eng.model_config.vocab_size, len(llm.tokenizer) if llm.tokenizer else 1 << 30)
     prompts = [[rng.randrange(3, bound) for _ in range(args.input_len)] for _ in range(batch)]
-    params = SamplingParams(
-        max_tokens=WARM_STEPS + args.steps, ignore_eos=True, temperature=0.0, stop=args.stop
-    )
+    n = WARM_STEPS + args.steps
+    spec = eng.config.speculative_config
+    golden = spec is not None and spec.method == "golden"
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            ignore_eos=True,
+            temperature=0.0,
+            stop=args.stop,
+            golden_token_ids=[rng.randrange(3, bound) for _ in range(n)] if golden else None,
+        )
+        for _ in prompts
+    ]
     marks: list[list[tuple[float, dict[str, float]]]] = [[] for _ in clocks]
     tokens: list[int] = []
     warm = [0]
@@ -335,7 +356,10 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
     from specserve import LLM
     from specserve.bench.common import command_line
     from specserve.bench.report import hardware_info, software_info, timestamp, write_json
+    from specserve.config import SpeculativeConfig
 
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    k = spec.num_speculative_tokens if spec else 0
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)  # restored below: the caller's process (tests) goes on
     heap_only = keep_freed_memory()
@@ -345,12 +369,13 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=top,
-        max_model_len=args.input_len + WARM_STEPS + args.steps + 16,
+        max_model_len=args.input_len + WARM_STEPS + args.steps + 16 + k,
         # every prompt in one step: the requests decode, and finish, together
         max_num_batched_tokens=max(2048, top * args.input_len),
         enforce_eager=True,
         enable_prefix_caching=False,
         overlap=args.overlap,
+        speculative_config=spec,
         progress=False,
     )
     eng = llm.engine
@@ -361,7 +386,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
         gc.freeze()
     if args.layout == "bucket" and eng.runner.graphs is None:
         eng.runner.init_cuda_graphs(
-            top, 1, eng.max_model_len, capture=False, progress=False, backend=_NoCapture()
+            top, 1 + k, eng.max_model_len, capture=False, progress=False, backend=_NoCapture()
         )
     results = []
     try:

@@ -100,3 +100,17 @@ def test_end_to_end(tmp_path, consumer: str, layout: str, overlap: bool) -> None
     # every wrapper is gone again
     assert not hasattr(IncrementalDetokenizer.append, "__wrapped__")
     assert not hasattr(TokenOutput.clone, "__wrapped__")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["host-drafts", "device-drafts"])
+def test_speculation_is_profiled(overlap: bool) -> None:
+    """Golden drafts that always match: steps emit more than a token a request; drafting on the
+    host is its own phase, on the device it is part of the device's time."""
+    spec = '{"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 1.0}'
+    argv = ["--batch-sizes", "2", "--input-len", "5", "--steps", "9", "--speculative-config",
+            spec, "--overlap" if overlap else "--no-overlap"]  # fmt: skip
+    args = host_profile.argparse.ArgumentParser()
+    host_profile.add_args(args)
+    (r,) = host_profile.run(args.parse_args(argv), emit=lambda _: None)["results"]
+    assert r["tokens_per_step"] > 2  # 2 requests, drafts accepted
+    assert (r["phases_us"]["draft"] > 0) is not overlap
