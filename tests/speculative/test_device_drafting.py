@@ -305,7 +305,7 @@ def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
     from specserve.model.loader.dummy import PRESETS
     from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
     from specserve.speculative.draft_model_chain import DraftModelChain
-    from tests.speculative.test_eagle3 import _FakeGraphs
+    from tests.speculative.fake_graphs import FakeGraphs
 
     (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["tiny"], num_hidden_layers=1)))
     model = "self" if draft == "self" else f"dummy:{tmp_path}"
@@ -314,7 +314,7 @@ def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
     eager, graphs = make_llm(**kw), make_llm(**kw)
     md = graphs.engine.device_drafting.model_drafter
     md.chain = DraftModelChain(md._logits, md.pool, md.width, md.block_size, md.trash, True)
-    fake = _FakeGraphs()
+    fake = FakeGraphs()
     md.capture(fake)
     assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
     prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)

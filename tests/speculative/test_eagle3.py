@@ -28,6 +28,7 @@ from specserve.speculative.eagle3_chain import Eagle3Chain
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.harness import PagedRunner
 from tests.model.test_eagle3_format import head_config, write_head, write_tiny_head
+from tests.speculative.fake_graphs import FakeGraphs
 from tests.speculative.test_lossless import CHI2_CRIT, _chi2
 
 LAYERS = [0, 2, 3]  # explicit: a 4-layer target's default ids (2, 2, 1) repeat a layer
@@ -423,32 +424,14 @@ def test_eagle3_without_a_model_names_the_field(tiny_llama_dir):
     assert cfg.method == "eagle3" and cfg.model == "/h"
 
 
-class _FakeGraphs:
-    """Warms up and "captures" like CudaGraphBackend; a replay reruns the body, counted."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-        self.replays = 0
-
-    def capture(self, fn):
-        fn()
-        self.captured += 1
-
-        def replay() -> None:
-            self.replays += 1
-            fn()
-
-        return replay
-
-
-def _padded(llm) -> _FakeGraphs:
+def _padded(llm) -> FakeGraphs:
     md = llm.engine.device_drafting.model_drafter
     old = md.chain
     md.chain = Eagle3Chain(
         md._step, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
         md.block_size, md.trash, padded=True, store=md.inner.store,
     )  # fmt: skip
-    fake = _FakeGraphs()
+    fake = FakeGraphs()
     md.chain.capture(fake, md.head.rotary._table)
     return fake
 
