@@ -22,6 +22,8 @@ chat() {
     # a missed check exits 1 (its JSON is written): go on to the next drafter
     $S bench spec-sweep --method $m --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 64 --repeats 5 --interleave --json "$OUT/$f.json" || true
   done
+  # int8 weights, the head's quantized with the target's
+  $S bench spec-sweep --method eagle3 --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 64 --repeats 5 --interleave --quantization int8 --json "$OUT/eagle3_cpu_c1_int8.json" || true
 }
 # where a decode step's time goes, batch 1 and 64
 profile() {

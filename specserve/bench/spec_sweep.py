@@ -83,6 +83,7 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
         device=args.device,
         max_num_seqs=max_seqs,
         speculative_config=spec,
+        quantization=getattr(args, "quantization", None),
         progress=False,
         seed=args.seed,
         **engine_kwargs(
@@ -435,6 +436,11 @@ def add_sweep_parser(sub: Any) -> None:
         "--kv-cache-gb", type=float, default=None, help="KV cache size (default: the engine's)"
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="CPU: int8, w8a8 or int4 weights for every mode (a drafter's own with them)",
+    )
     p.add_argument("--seed", type=int, default=0, help="engine and dataset seed")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG chart here")

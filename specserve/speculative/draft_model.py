@@ -31,7 +31,9 @@ class DraftModelDrafter:
             model, cfg = engine.target_model, engine.model_config  # the target drafts for itself
         else:
             loaded = load_model(spec.model, engine.dtype, engine.device, progress=False)
-            model, cfg = pack_linears(loaded.model), loaded.config
+            model, cfg = loaded.model, loaded.config
+            if engine.config.quantization is None:  # else quantized with the target's
+                pack_linears(model)
             if cfg.vocab_size != engine.model_config.vocab_size:
                 raise ModelLoadError(
                     f"draft model {spec.model!r} has vocabulary size {cfg.vocab_size}, the target "

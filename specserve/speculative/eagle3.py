@@ -52,8 +52,10 @@ class Eagle3Drafter:
         # no model named: the target is the default model (EngineConfig checks), whose head ships
         path = spec.model or default_head_path()
         self.head: Eagle3Head = load_eagle3_head(path, tc, engine.device, engine.dtype, embed)
-        # CPU: the head's linears packed as the target's (it serves here; training builds its own)
-        pack_linears(self.head)
+        # CPU: the head's linears packed as the target's (it serves here; training builds its
+        # own), or quantized with the target's (quant.quantize_engine)
+        if engine.config.quantization is None:
+            pack_linears(self.head)
         hc = self.head.config
         # per-position temperatures of the confidence logits (head training's calibration):
         # c_j = sigmoid(z_j / T_j), the last temperature for positions past the list

@@ -169,6 +169,21 @@ def test_cli_accepts_golden_and_random():
     assert args.max_model_len == 4096 and args.kv_cache_gb == 20.0
 
 
+def test_quantization_reaches_every_modes_engine():
+    from specserve.bench.spec_sweep import _engine
+    from specserve.model.quant import Int8Linear
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        "bench spec-sweep --model dummy:tiny --method ngram --k 2 --device cpu --dtype float32 "
+        "--quantization int8".split()
+    )
+    for mode in ("off", "fixed"):
+        llm = _engine(args, mode, 2)
+        assert isinstance(llm.engine.target_model.lm_head, Int8Linear), mode
+
+
 def test_interleaved_repeats_rotate_the_order_of_the_modes():
     from specserve.bench.spec_sweep import MODES, rotated
 

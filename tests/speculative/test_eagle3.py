@@ -197,6 +197,23 @@ def test_a_cpu_head_serves_packed_and_drafts_what_the_dense_head_drafts(
     assert accepted["auto"] == accepted["torch"] and accepted["auto"][1] > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["host", "device"])
+def test_a_quantized_engine_quantizes_its_head(target, prompts, heads, overlap):
+    """quantization="int8": the head's linears are int8 like the target's (host drafting and
+    drafting inside the step alike); greedy outputs stay the quantized target's own."""
+    from specserve.model.quant import Int8Linear
+
+    kw = dict(model=target[0], quantization="int8", overlap=overlap)
+    ref = _ids(make_llm(**kw).generate(prompts, SP, use_tqdm=False))
+    llm = make_llm(**kw, speculative_config=_spec(heads["copy"], verify_budget="off"))
+    eng = llm.engine
+    head = (eng.device_drafting.model_drafter if overlap else eng.drafter).head
+    layers = [m for m in head.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+    assert layers and all(isinstance(m, Int8Linear) for m in layers)
+    assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("head", ["copy", "random"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head, temperature):
