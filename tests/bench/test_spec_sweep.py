@@ -153,12 +153,16 @@ def test_checks_fail_when_golden_outputs_differ():
     assert checks["outputs_identical"] == {1: False}
 
 
-def test_cli_accepts_golden_and_random():
+def _cli(line: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        "bench spec-sweep --method golden --acceptance-rate 0.6 --dataset random --input-len 32 "
-        "--concurrency 1,4,16,64,256 --max-model-len 4096 --kv-cache-gb 20".split()
+    return parser.parse_args(f"bench spec-sweep {line}".split())
+
+
+def test_cli_accepts_golden_and_random():
+    args = _cli(
+        "--method golden --acceptance-rate 0.6 --dataset random --input-len 32 "
+        "--concurrency 1,4,16,64,256 --max-model-len 4096 --kv-cache-gb 20"
     )
     assert (args.method, args.acceptance_rate, args.dataset, args.input_len) == (
         "golden",
@@ -173,11 +177,8 @@ def test_quantization_reaches_every_modes_engine():
     from specserve.bench.spec_sweep import _engine
     from specserve.model.quant import Int8Linear
 
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        "bench spec-sweep --model dummy:tiny --method ngram --k 2 --device cpu --dtype float32 "
-        "--quantization int8".split()
+    args = _cli(
+        "--model dummy:tiny --method ngram --k 2 --device cpu --dtype float32 --quantization int8"
     )
     for mode in ("off", "fixed"):
         llm = _engine(args, mode, 2)
