@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from specserve.config import QUANTIZATION_METHODS
+from specserve.model.cpu_linear import pack_linears
 from specserve.ops.int8 import dynamic_int8_linear, quantize_per_row, weight_only_linear
 
 
@@ -88,29 +89,19 @@ def quantize_engine(engine: Any) -> None:
         return
     gguf = _gguf_source(engine.config.model, engine.config.revision) if method == "int4" else None
     quantize_model(engine.target_model, method, gguf)
-    for model in drafter_models(engine):  # int8 for int4: a head has no GGUF blocks to keep
-        quantize_model(model, "int8" if method == "int4" else method)
     if getattr(engine, "budget", None) is not None:
         from specserve.speculative.verify_budget import VerifyBudget
 
         engine.budget = VerifyBudget.for_engine(engine, None)
 
 
-def drafter_models(engine: Any) -> list[nn.Module]:
-    """The drafter's own weights, quantized with the target's: an EAGLE-3 head, a draft model
-    other than the target (on the host or drafting inside the step)."""
-    found: dict[int, nn.Module] = {}
-    dd = getattr(engine, "device_drafting", None)
-    for drafter in (getattr(engine, "drafter", None), getattr(dd, "model_drafter", None)):
-        runner = getattr(drafter, "runner", None)
-        for model in (
-            getattr(drafter, "head", None),
-            getattr(drafter, "model", None),
-            getattr(runner, "model", None),
-        ):
-            if isinstance(model, nn.Module) and model is not engine.target_model:
-                found[id(model)] = model
-    return list(found.values())
+def drafter_linears(model: nn.Module, method: str | None) -> nn.Module:
+    """A drafter's own weights (an EAGLE-3 head, a draft model other than the target) on the
+    CPU: packed as the target's, or quantized with it (int8 under int4: no GGUF blocks to keep).
+    """
+    if method is None:
+        return pack_linears(model)
+    return quantize_model(model, "int8" if method == "int4" else method)
 
 
 def _gguf_source(model: str | None, revision: str | None) -> Path | None:

@@ -13,9 +13,9 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
-from specserve.model.cpu_linear import pack_linears
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
+from specserve.model.quant import drafter_linears
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.runner.model_runner import ModelRunner
 from specserve.speculative.drafter import DraftKVMarks, reserve_draft_blocks
@@ -31,9 +31,7 @@ class DraftModelDrafter:
             model, cfg = engine.target_model, engine.model_config  # the target drafts for itself
         else:
             loaded = load_model(spec.model, engine.dtype, engine.device, progress=False)
-            model, cfg = loaded.model, loaded.config
-            if engine.config.quantization is None:  # else quantized with the target's
-                pack_linears(model)
+            model, cfg = drafter_linears(loaded.model, engine.config.quantization), loaded.config
             if cfg.vocab_size != engine.model_config.vocab_size:
                 raise ModelLoadError(
                     f"draft model {spec.model!r} has vocabulary size {cfg.vocab_size}, the target "

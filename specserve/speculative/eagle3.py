@@ -28,10 +28,10 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence
 from specserve.model.aux_capture import AuxCapture
-from specserve.model.cpu_linear import pack_linears
 from specserve.model.eagle3 import Eagle3Head
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader.eagle3 import default_head_path, load_eagle3_head
+from specserve.model.quant import drafter_linears
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
@@ -52,10 +52,9 @@ class Eagle3Drafter:
         # no model named: the target is the default model (EngineConfig checks), whose head ships
         path = spec.model or default_head_path()
         self.head: Eagle3Head = load_eagle3_head(path, tc, engine.device, engine.dtype, embed)
-        # CPU: the head's linears packed as the target's (it serves here; training builds its
-        # own), or quantized with the target's (quant.quantize_engine)
-        if engine.config.quantization is None:
-            pack_linears(self.head)
+        # CPU: the head's linears packed or quantized as the target's (it serves here; training
+        # builds its own)
+        drafter_linears(self.head, engine.config.quantization)
         hc = self.head.config
         # per-position temperatures of the confidence logits (head training's calibration):
         # c_j = sigmoid(z_j / T_j), the last temperature for positions past the list
