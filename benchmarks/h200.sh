@@ -6,7 +6,7 @@
 #   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
 #   path is gone in the next call unless carried again; /tmp stays)
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | steps | structured (default: decode)
+#   train-data | train-head-resume | eagle | steps | host | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -37,7 +37,7 @@ case ${1:-decode} in
     timeout 560 $P --durations=10 $(for e in $E; do echo tests/gpu/test_$e.py; done) 2>&1 \
       | grep -v "it/s\]" > "$OUT/gpu_tests.txt"
     wait
-    tail -3 "$OUT/gpu_tests.txt" "$OUT/gpu_kernel_tests.txt" ;;
+    tail -n 3 "$OUT/gpu_tests.txt" "$OUT/gpu_kernel_tests.txt" ;;
   decode)  # batch-1 decode against the copy-bandwidth roofline; 256 requests against HF continuous batching
     $S $B1 --model dummy:llama-3.1-8b --json "$OUT/b1_llama8b.json"
     $S $B1 --model dummy:smollm2-135m --json "$OUT/b1_smollm2.json"
@@ -81,8 +81,17 @@ case ${1:-decode} in
   steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5 (~3 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
     python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
+  host)  # the host's share of a step at 135M (where the host is the speed): off, golden, EAGLE-3
+    for m in off golden eagle3; do
+      case $m in
+        off) C= ;;
+        golden) C='{"method":"golden","num_speculative_tokens":5,"acceptance_rate":0.0,"verify_budget":"off"}' ;;
+        eagle3) C='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}' ;;
+      esac
+      $S bench host-profile --model dummy:smollm2-135m --batch-sizes 1,16 --dtype bfloat16 --overlap ${C:+--speculative-config "$C"} --json "$OUT/host_profile_${m}_smollm2.json"
+    done ;;
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | host | structured)" >&2; exit 2 ;;
 esac

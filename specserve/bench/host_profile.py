@@ -31,8 +31,9 @@ What makes the CPU stand in for an H200's host: --layout bucket (default) lays d
 as the CUDA graphs do (DecodeGraphs.prepare, one packed upload) and runs that layout eagerly;
 glibc keeps freed memory (keep_freed_memory) and start-up objects are frozen out of the
 collector, as a CUDA engine does. Not separable here: the kernel launches of the forward and
-sampling, host work on CUDA, are inside `device` on CPU. On CUDA, readback includes the wait
-for the device when the host is ahead of it. The CPU forward between two steps evicts the
+sampling, host work on CUDA, are inside `device` on CPU. On CUDA the engine runs its CUDA
+graphs as served, `device` is the host's launching (graph replays, the eager sampling and device
+drafting), and readback includes the wait for the device when the host is ahead of it. The CPU forward between two steps evicts the
 host code's caches (an H200's host keeps them warmer): a phase costs here up to several times
 what it costs in a hot loop, most at batch 1.
 The spread over whole runs comes from running the command several times (code versions cannot
@@ -364,6 +365,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
     torch.set_num_threads(args.threads)  # restored below: the caller's process (tests) goes on
     heap_only = keep_freed_memory()
     top = max(args.batch_sizes)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -372,7 +374,7 @@ def run(args: argparse.Namespace, emit: Callable[[str], None] = print) -> dict[s
         max_model_len=args.input_len + WARM_STEPS + args.steps + 16 + k,
         # every prompt in one step: the requests decode, and finish, together
         max_num_batched_tokens=max(2048, top * args.input_len),
-        enforce_eager=True,
+        enforce_eager=not cuda,  # CUDA: the graphs as served; their launches are host work there
         enable_prefix_caching=False,
         overlap=args.overlap,
         speculative_config=spec,

@@ -110,8 +110,12 @@ def check_job(job: HeadTrainingJob) -> None:
         )
 
 
+_START = time.perf_counter()
+
+
 def _log(msg: str) -> None:
-    print(f"[train-head] {msg}", file=sys.stderr, flush=True)
+    # seconds since start: a device call's time limit is spent across these stages
+    print(f"[train-head {time.perf_counter() - _START:.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def data_source(job: HeadTrainingJob) -> str:
@@ -303,6 +307,7 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
         progress=job.progress,
     )
     target = llm.engine.target_model
+    _log("target engine ready")
     t0 = time.perf_counter()
     samples = build_data(job, llm, deadline)
     t_data = time.perf_counter() - t0
