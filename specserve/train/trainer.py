@@ -251,17 +251,33 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def train_step(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        """One optimizer step; its record says where the step's seconds went (the target's
+        capture, the unrolled head's forward, backward + update), each timed to the device's
+        end of it: the stats already read the device back several times a step."""
         self.head.train()
+        cuda, clock = self.head.fc.weight.is_cuda, [time.perf_counter()]
+
+        def lap() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            clock.append(time.perf_counter())
+
         batch = prepare_batch(self.target, self.head, samples)
+        lap()
         res = ttt_loss(
             self.head, batch, self.opts.ttt_steps, self.opts.step_decay, self.opts.confidence_weight
         )
+        lap()
         self.optimizer.zero_grad(set_to_none=True)
         res.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.opts.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
+        lap()
+        seconds = [round(b - a, 4) for a, b in zip(clock, clock[1:])]
         return {
+            "seconds": dict(zip(("capture", "head", "update"), seconds)),
+            "tokens": int(batch.lens.sum()),
             "loss": float(res.loss.detach()),
             "grad_norm": float(grad_norm),
             "lr": self.scheduler.get_last_lr()[0],

@@ -53,6 +53,9 @@ def test_train_head_end_to_end(tmp_path: Path, train_target_dir: Path, prompts_f
     log = [json.loads(line) for line in (out / "train_log.jsonl").open()]
     assert len(log) == report["train"]["total_steps"] == 8
     assert sum(r["loss"] for r in log[-2:]) < 0.9 * sum(r["loss"] for r in log[:2])
+    # each step says where its time went, and how many tokens it trained on
+    assert all(set(r["seconds"]) == {"capture", "head", "update"} for r in log)
+    assert all(min(r["seconds"].values()) >= 0 and r["tokens"] > 0 for r in log)
     # the report: tokens per step for k = 1..7, the acceptance curve, calibration
     ev = report["eval"]
     assert sorted(ev["tokens_per_step"], key=int) == [str(k) for k in range(1, 8)]
