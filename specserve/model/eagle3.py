@@ -172,22 +172,28 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,  # [B, T, 3Ht] aux streams, or [B, T, H] the previous step's prenorm
         positions: torch.Tensor,  # [B, T] int64
         past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        padding_mask: torch.Tensor | None = None,  # [B, T] bool, True = real token
+        padding_mask: torch.Tensor | None = None,  # [B, Tk] bool over step 0's keys, True = real
+        q_offset: int = 0,
     ) -> Eagle3Output:
         """Dense forward for training (training-time test). With no `past_kv`, plain causal
         attention over the T positions. TTT step i > 0 passes the kv of steps 0..i-1: a query at
         index t then sees step 0's keys at indices <= t (causal, the context) and the keys at
         index t itself of steps 1..i (its own earlier chain steps), as SpecForge and EAGLE-3
-        train it. Returns [B, T, ...] tensors and this step's kv to pass on."""
+        train it. q_offset (steps i > 0 only): the rows are step 0's indices q_offset.. (a
+        window: rows before it never start a chain that counts), steps 1..i-1 ran on the same
+        window. Returns [B, T, ...] tensors and this step's kv to pass on."""
         b, t = input_ids.shape
         c = self.config
+        assert q_offset == 0 or past_kv, "a query window needs step 0's keys (past_kv)"
+        tk = past_kv[0][0].shape[2] if past_kv else t  # step 0's key rows
+        dev = input_ids.device
+        q_idx = torch.arange(t, device=dev)[:, None] + q_offset  # [T, 1] step-0 index of a row
+        k_idx = torch.arange(tk, device=dev)[None, :]
         group = c.num_attention_heads // c.num_key_value_heads
-        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        mask = causal[None, None]  # [1, 1, T, T]
+        mask = (k_idx <= q_idx)[None, None]  # [1, 1, T, Tk]
         if padding_mask is not None:
             # a row always sees itself, so a padding row's softmax stays finite
-            eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
-            mask = (mask & padding_mask[:, None, None, :]) | eye
+            mask = (mask & padding_mask[:, None, None, :]) | (k_idx == q_idx)
         kv_out: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -199,7 +205,7 @@ class Eagle3Head(nn.Module):
             steps = [*(past_kv or []), (k, v)]
             qh = heads(q)  # [B, Hq, T, D]
             k0, v0 = (x.repeat_interleave(group, dim=1) for x in steps[0])
-            s = (qh @ k0.transpose(-1, -2)) * self.midlayer.self_attn.scale  # [B, Hq, T, T]
+            s = (qh @ k0.transpose(-1, -2)) * self.midlayer.self_attn.scale  # [B, Hq, T, Tk]
             scores = [s.masked_fill(~mask, float("-inf"))]
             values = []
             for kj, vj in steps[1:]:
@@ -207,9 +213,9 @@ class Eagle3Head(nn.Module):
                 scores.append((qh * kj).sum(-1, keepdim=True) * self.midlayer.self_attn.scale)
                 values.append(vj)
             p = torch.cat(scores, dim=-1).float().softmax(-1).to(qh.dtype)
-            o = p[..., :t] @ v0  # [B, Hq, T, D]
+            o = p[..., :tk] @ v0  # [B, Hq, T, D]
             for j, vj in enumerate(values):
-                o = o + p[..., t + j : t + j + 1] * vj
+                o = o + p[..., tk + j : tk + j + 1] * vj
             return o.transpose(1, 2).reshape(b * t, c.num_attention_heads, c.head_dim)
 
         flat_h = hidden.reshape(b * t, hidden.shape[-1])

@@ -32,7 +32,7 @@ Losses per step i, over the rows that count:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -131,23 +131,38 @@ def ttt_loss(
     ttt_steps: int,
     step_decay: float = 0.8,
     confidence_weight: float = 1.0,
+    window: bool = True,
 ) -> TTTResult:
-    """Unroll the head over `ttt_steps` chain steps on a batch; the weighted loss and stats."""
+    """Unroll the head over `ttt_steps` chain steps on a batch; the weighted loss and stats.
+
+    Only rows from w = (the batch's shortest prompt) - 1 on ever count, so every step after
+    step 0 runs on that window alone (step 0 runs on every row: its keys are the context), and
+    losses are taken there: the same loss, without the prompt rows' unrolled steps (most of a
+    multi-turn batch's rows are prompt). window=False runs every step on every row."""
     b, length = batch.input_ids.shape
+    w = max(0, int(batch.prompt_lens.min()) - 1) if window else 0
     base_pos = torch.arange(length, device=batch.input_ids.device)[None, :].expand(b, length)
     in_vocab = head.t2d  # [V] bool
     hidden = batch.aux
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     ce_terms, bce_terms, stats = [], [], []
     for i in range(ttt_steps):
-        mask = row_mask(batch, i)  # [B, L]
+        mask = row_mask(batch, i)[:, w:]  # [B, L - w]
         ids = shift(batch.input_ids, 1 + i)
-        out = head(ids, hidden, base_pos + i, past_kv=past or None)
-        past.append(out.kv)
+        if i == 0:
+            out = head(ids, hidden, base_pos)
+            past.append(out.kv)
+            conf = out.confidence[:, w:] if out.confidence is not None else None
+            out = replace(
+                out, prenorm=out.prenorm[:, w:], logits=out.logits[:, w:], confidence=conf
+            )
+        else:
+            out = head(ids[:, w:], hidden, base_pos[:, w:] + i, past_kv=past, q_offset=w)
+            past.append(out.kv)
         hidden = out.prenorm
-        tgt_logits = shift(batch.draft_logits, 1 + i)  # [B, L, Vd]
-        tgt_lse = shift(batch.logsumexp, 1 + i)
-        tgt_greedy = shift(batch.greedy, 1 + i, -1).clamp_min(0)
+        tgt_logits = shift(batch.draft_logits, 1 + i)[:, w:]  # [B, L - w, Vd]
+        tgt_lse = shift(batch.logsumexp, 1 + i)[:, w:]
+        tgt_greedy = shift(batch.greedy, 1 + i, -1)[:, w:].clamp_min(0)
         logq = out.logits.log_softmax(-1)  # [B, L, Vd]
         p_renorm = tgt_logits.softmax(-1)
         ce_mask = mask & in_vocab[tgt_greedy]

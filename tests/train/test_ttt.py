@@ -99,3 +99,60 @@ def test_unrolled_loss_trains_the_head() -> None:
     assert res.steps[0].acc > 0.9 and res.steps[2].acc > 0.5
     # a sure target: the label tracks the head's own mass on the right token
     assert res.steps[0].label > first.steps[0].label + 0.3
+
+
+def _mixed_prompt_batch(dtype: torch.dtype) -> TTTBatch:
+    """Four random sequences of 16 tokens with prompts of 6-11 tokens (a window from row 5)."""
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randint(64, (4, 16), generator=g)
+    logits = torch.randn(4, 16, 64, generator=g) * 3
+    rows = TargetRows(  # draft vocabulary: target ids 0..47
+        torch.randn(64, 96, generator=g),
+        logits[..., :48].reshape(-1, 48),
+        torch.logsumexp(logits, -1).reshape(-1),
+        logits.argmax(-1).reshape(-1),
+        [16] * 4,
+    )
+    return TTTBatch.build(seqs.tolist(), [6, 9, 11, 7], rows, dtype)
+
+
+def test_windowed_unroll_is_the_full_unroll() -> None:
+    """Steps after step 0 run on the rows from the shortest prompt on: the same loss, stats and
+    gradients as every step on every row (float64 but the attention's float32 softmax: only
+    rounding may differ)."""
+    batch = _mixed_prompt_batch(torch.float64)
+    batch.draft_logits = batch.draft_logits.double()
+    batch.logsumexp = batch.logsumexp.double()
+    results = []
+    for window in (True, False):
+        head = _tiny_head(draft=48).double()
+        head.t2d[48:] = False  # rows whose target argmax is outside: no cross-entropy
+        res = ttt_loss(head, batch, ttt_steps=4, window=window)
+        res.loss.backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        results.append((res, grads))
+    (a, ga), (b, gb) = results
+    assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-9)
+    assert [s.rows for s in a.steps] == [s.rows for s in b.steps] and a.steps[0].rows > 0
+    for sa, sb in zip(a.steps, b.steps):
+        assert (sa.ce, sa.bce, sa.acc, sa.label) == pytest.approx((sb.ce, sb.bce, sb.acc, sb.label))
+    assert ga.keys() == gb.keys() and len(ga) > 5
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-6, atol=1e-8, msg=n)
+
+
+def test_a_window_step_sees_the_context_a_full_step_sees() -> None:
+    """Head level: a TTT step on rows w.. with q_offset=w gives the full step's rows w..; an
+    offset one off does not (the comparison can fail)."""
+    head = _tiny_head().double()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(64, (2, 12), generator=g)
+    pos = torch.arange(12)[None, :].expand(2, 12)
+    step0 = head(ids, torch.randn(2, 12, 96, generator=g, dtype=torch.float64), pos)
+    full = head(ids, step0.prenorm, pos + 1, past_kv=[step0.kv])
+    w = 5
+    win = head(ids[:, w:], step0.prenorm[:, w:], pos[:, w:] + 1, past_kv=[step0.kv], q_offset=w)
+    torch.testing.assert_close(win.logits, full.logits[:, w:])
+    torch.testing.assert_close(win.kv[0], full.kv[0][:, :, w:])
+    off = head(ids[:, w:], step0.prenorm[:, w:], pos[:, w:] + 1, past_kv=[step0.kv], q_offset=w + 1)
+    assert not torch.allclose(off.logits, full.logits[:, w:])
