@@ -390,6 +390,7 @@ class LLM:
             "num_steps": self.engine.num_steps,
             "num_sync_steps": self.engine.num_sync_steps,
             "num_deferred_steps": self.engine.num_deferred_steps,
+            "num_prompt_steps": self.engine.num_prompt_steps,
             "generated_tokens": led.num_generated_tokens,
             "num_running": st.num_running,
             "num_waiting": st.num_waiting,

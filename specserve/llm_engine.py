@@ -200,6 +200,8 @@ class LLMEngine:
         # launched behind the step in flight with their sampling queued after its ledger (a
         # request reads its output tokens on the host: launch.py)
         self.num_deferred_steps = 0
+        # steps with prompt rows: eager on CUDA (the graphs take decode/verify steps only)
+        self.num_prompt_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
         # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
@@ -495,6 +497,7 @@ class LLMEngine:
         """Queue the step's device work (launch.py); nothing waits for it."""
         launched = self.launcher.launch(batch, overlap, behind=self._inflight is not None)
         self.num_deferred_steps += launched.deferred is not None
+        self.num_prompt_steps += not batch.is_decode_shaped
         return launched
 
     def _read(self, launched: LaunchedStep) -> HostStepResult | None:

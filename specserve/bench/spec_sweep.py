@@ -47,6 +47,9 @@ class SweepPoint:
     output_digest: str = ""  # fingerprint of every request's output tokens
     repeats_tok_s: list[float] | None = None  # every repeat's tok/s (the point is the median run)
     sync_steps_per_run: float = 0.0  # steps launched synchronously (host work not hidden)
+    # steps carrying prompt rows (eager on CUDA): speculation spreads the requests' ends, hence
+    # the admissions behind them, over more steps
+    prompt_steps_per_run: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -179,9 +182,15 @@ def _warm_up(llm, requests: list[tuple[list[int], Any]], concurrency: int) -> No
     _closed_loop(llm, short, concurrency)
 
 
-def _counters(llm) -> tuple[int, int, int, int]:
+def _counters(llm) -> tuple[int, ...]:
     m = llm.get_metrics()
-    return m["spec_drafts"], m["spec_accepted_tokens"], _verify_rows(llm), m["num_sync_steps"]
+    return (
+        m["spec_drafts"],
+        m["spec_accepted_tokens"],
+        _verify_rows(llm),
+        m["num_sync_steps"],
+        m["num_prompt_steps"],
+    )
 
 
 def _point(
@@ -189,13 +198,13 @@ def _point(
     c: int,
     requests: list,
     runs: list[LoopResult],
-    before: tuple[int, int, int, int],
-    after: tuple[int, int, int, int],
+    before: tuple[int, ...],
+    after: tuple[int, ...],
 ) -> SweepPoint:
     """One (mode, concurrency) point from its timed runs: the median run, with acceptance and
     verify rows over all of them."""
     res = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
-    drafts, acc, rows, sync = (a - b for a, b in zip(after, before))
+    drafts, acc, rows, sync, prompt = (a - b for a, b in zip(after, before))
     point = SweepPoint(
         mode,
         c,
@@ -208,12 +217,13 @@ def _point(
         digest(res.outputs),
         [r.tokens / r.seconds for r in runs],
         sync / len(runs),
+        prompt / len(runs),
     )
     print(
         f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
         f"{point.mean_acceptance_length:.2f}  draft rows/step "
         f"{point.verify_rows_per_step:.1f}  steps {point.steps}  sync steps/run "
-        f"{point.sync_steps_per_run:.1f}",
+        f"{point.sync_steps_per_run:.1f}  prompt steps/run {point.prompt_steps_per_run:.1f}",
         flush=True,
     )
     return point

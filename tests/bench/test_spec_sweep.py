@@ -120,6 +120,9 @@ def test_golden_sweep_forces_identical_outputs_in_every_mode(tmp_path):
     # no overlap on CPU by default: every step of a run is launched synchronously
     assert pts[("fixed", 1)]["sync_steps_per_run"] == 2 * 3
     assert pts[("off", 2)]["sync_steps_per_run"] == pts[("off", 2)]["steps"]
+    # each request's prompt is one step of its own at C = 1, the first step of two at C = 2
+    assert pts[("fixed", 1)]["prompt_steps_per_run"] == 2
+    assert pts[("off", 2)]["prompt_steps_per_run"] == 1
     # the outputs are the golden continuations themselves
     gold = golden_continuations(2, 7, 49152, seed="0:1")
     assert pts[("off", 1)]["output_digest"] == digest(gold)
