@@ -81,7 +81,7 @@ case ${1:-decode} in
   steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5 (~3 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
     python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
-  host)  # the host's share of a step at 135M (where the host is the speed): off, golden, EAGLE-3
+  host)  # where a 135M step's time goes (host phases; wall vs device, kernels): off, golden, EAGLE-3
     for m in off golden eagle3; do
       case $m in
         off) C= ;;
@@ -89,6 +89,8 @@ case ${1:-decode} in
         eagle3) C='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}' ;;
       esac
       $S bench host-profile --model dummy:smollm2-135m --batch-sizes 1,16 --dtype bfloat16 --overlap ${C:+--speculative-config "$C"} --json "$OUT/host_profile_${m}_smollm2.json"
+      # wall against device time per step, and the kernels (graphs as served)
+      python3 tools/profile_step.py --model dummy:smollm2-135m --batch 1 --graphs --dtype bfloat16 --top 25 ${C:+--speculative-config "$C"} --json "$OUT/profile_b1_${m}_smollm2.json"
     done ;;
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"

@@ -45,6 +45,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="tokens per request (graphs' KV bound)"
     )
     p.add_argument("--ops", action="store_true", help="--workload: also eager ops with shapes")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="per-step mode: speculation as JSON (golden requests get random golden ids)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
@@ -157,26 +162,40 @@ def run(args: argparse.Namespace) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import LLM, SamplingParams
+    from specserve.config import SpeculativeConfig
 
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    k = spec.num_speculative_tokens if spec else 0
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
         max_num_seqs=max(args.batch, 2),
         # the attention's split-KV count follows max_model_len under graphs: pass the served one
-        max_model_len=args.max_model_len or args.input_len + 64 + args.steps,
+        max_model_len=args.max_model_len or args.input_len + 64 + (2 + k) * args.steps,
         enforce_eager=not args.graphs,
         overlap=args.graphs,
+        speculative_config=spec,
         progress=False,
     )
     eng = llm.engine
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
+    out_len = 40 + 2 * args.steps  # warm-up, the timed steps, the profiled steps
     for _ in range(args.batch):
         prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
-        eng.add_request(prompt, SamplingParams(max_tokens=40 + args.steps, ignore_eos=True))
+        gold = None
+        if spec is not None and spec.method == "golden":
+            gold = [rng.randrange(3, vocab) for _ in range(out_len * (1 + k))]
+        sp = SamplingParams(max_tokens=out_len * (1 + k), ignore_eos=True, golden_token_ids=gold)
+        eng.add_request(prompt, sp)
     for _ in range(30):  # prefill and warm decode steps
         eng.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()  # the same steps' wall time, unprofiled: host-bound or not
+    for _ in range(args.steps):
+        eng.step()
+    torch.cuda.synchronize()
+    wall_us = 1e6 * (time.perf_counter() - t0) / args.steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             eng.step()
@@ -185,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     totals, counts = _kernel_totals(prof)
     step_us = sum(totals.values()) / args.steps
     rows = sorted(totals, key=totals.get, reverse=True)
-    print(f"device time per step: {step_us / 1000:.3f} ms, kernels per step: "
+    print(f"wall time per step: {wall_us / 1000:.3f} ms, device time per step: "
+          f"{step_us / 1000:.3f} ms, kernels per step: "
           f"{sum(counts.values()) / args.steps:.0f}")  # fmt: skip
     for name in rows[: args.top]:
         print(
@@ -198,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "command": " ".join(sys.argv),
                     "device_us_per_step": step_us,
+                    "wall_us_per_step": wall_us,
                     "kernels": [
                         {"name": n, "us_per_step": totals[n] / args.steps, "count": counts[n]}
                         for n in rows
