@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.sampling_params import InvalidRequestError
@@ -20,7 +20,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft model ("draft_model") or EAGLE-3 head folder ("eagle3")
     verify_budget: str = "auto"  # "auto" | "off"
     acceptance_rate: float = 1.0  # method "golden": chance each draft matches the golden token
-    extra: dict[str, Any] = field(default_factory=dict)
+    # CPU: the drafter's own weights (EAGLE-3 head, draft model) int8 / w8a8; None: as the
+    # target's (quantized with it, else packed fp)
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None  # vLLM's field: 1 (drafters run on one rank)
 
     @staticmethod
     def parse(spec: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -51,11 +54,17 @@ class SpeculativeConfig:
             "model",
             "verify_budget",
             "acceptance_rate",
+            "quantization",
+            "draft_tensor_parallel_size",
         }
-        cfg = SpeculativeConfig(
-            method, k, **{key: spec.pop(key) for key in list(spec) if key in known}
-        )
-        cfg.extra = spec
+        unknown = sorted(key for key in spec if key not in known)
+        if unknown:  # vLLM fields specserve does not honour are refused, never ignored
+            raise InvalidRequestError(
+                f"speculative_config.{unknown[0]} is not supported by specserve; supported: "
+                f"method, num_speculative_tokens, {', '.join(sorted(known))}",
+                f"speculative_config.{unknown[0]}",
+            )
+        cfg = SpeculativeConfig(method, k, **spec)
         if method == "draft_model" and not cfg.model:
             raise InvalidRequestError(
                 "speculative_config.model is required for method 'draft_model' (a draft model)",
@@ -69,7 +78,30 @@ class SpeculativeConfig:
             raise InvalidRequestError("acceptance_rate must be in [0, 1]", "speculative_config")
         if cfg.verify_budget not in ("auto", "off"):
             raise InvalidRequestError("verify_budget must be 'auto' or 'off'", "speculative_config")
+        if cfg.draft_tensor_parallel_size not in (None, 1):
+            raise InvalidRequestError(
+                "speculative_config.draft_tensor_parallel_size must be 1: specserve's drafters "
+                f"run on one device, got {cfg.draft_tensor_parallel_size!r}",
+                "speculative_config.draft_tensor_parallel_size",
+            )
+        if cfg.quantization is not None:
+            if cfg.quantization not in DRAFT_QUANTIZATION:
+                raise InvalidRequestError(
+                    f"speculative_config.quantization={cfg.quantization!r} is not supported; "
+                    f"use one of {', '.join(DRAFT_QUANTIZATION)} (CPU only) or leave it unset",
+                    "speculative_config.quantization",
+                )
+            if method not in ("eagle3", "draft_model"):
+                raise InvalidRequestError(
+                    f"speculative_config.quantization applies to a drafter's weights; method "
+                    f"{method!r} has none",
+                    "speculative_config.quantization",
+                )
         return cfg
+
+
+# a drafter's weights: int4 keeps GGUF blocks only a target has
+DRAFT_QUANTIZATION = ("int8", "w8a8")
 
 
 # dtype names an engine takes; vLLM's "half" and "float" are aliases of float16 / float32
@@ -178,6 +210,16 @@ class EngineConfig:
             )
         _check_device(self.device, self.tensor_parallel_size)
         check_quantization(self.quantization, self.device, tp)
+        if spec is not None and spec.quantization is not None:
+            check_quantization(
+                spec.quantization, self.device, tp, "speculative_config.quantization"
+            )
+            if spec.method == "draft_model" and spec.model in ("self", "target", self.model):
+                bad(
+                    "speculative_config.quantization: the target drafts for itself here, with "
+                    "the target's weights (set quantization instead)",
+                    "speculative_config.quantization",
+                )
 
     def step_token_budget(self, device_type: str, max_model_len: int) -> int:
         """Rows one step may hold (before the engine's floor of one decode row per request).
@@ -225,21 +267,24 @@ def _normalize_dtype(dtype: Any) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def check_quantization(method: object, device: str, tensor_parallel_size: int) -> None:
-    """User errors in `quantization`, before anything loads (EngineConfig.validate)."""
+def check_quantization(
+    method: object, device: str, tensor_parallel_size: int, param: str = "quantization"
+) -> None:
+    """User errors in `quantization` (or a drafter's, `param`), before anything loads
+    (EngineConfig.validate)."""
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
         raise InvalidRequestError(
-            f"quantization={method!r} is not supported; use one of "
+            f"{param}={method!r} is not supported; use one of "
             f"{', '.join(QUANTIZATION_METHODS)} (CPU only) or leave it unset",
-            "quantization",
+            param,
         )
     if tensor_parallel_size > 1:
         raise InvalidRequestError(
-            f"quantization={method!r} is not supported with tensor_parallel_size > 1 "
+            f"{param}={method!r} is not supported with tensor_parallel_size > 1 "
             "(the shards are cut from full-precision weights)",
-            "quantization",
+            param,
         )
     kind = device.partition(":")[0]
     if kind == "auto":
@@ -248,9 +293,9 @@ def check_quantization(method: object, device: str, tensor_parallel_size: int) -
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind != "cpu":
         raise InvalidRequestError(
-            f"quantization={method!r} runs on the CPU only (its kernels are torch's CPU int8 "
-            "and int4 kernels); use device='cpu', or leave quantization unset on CUDA",
-            "quantization",
+            f"{param}={method!r} runs on the CPU only (its kernels are torch's CPU int8 "
+            f"and int4 kernels); use device='cpu', or leave {param} unset on CUDA",
+            param,
         )
     if method == "int4":
         from specserve.ops.int4 import int4_kernels_available

@@ -31,7 +31,8 @@ class DraftModelDrafter:
             model, cfg = engine.target_model, engine.model_config  # the target drafts for itself
         else:
             loaded = load_model(spec.model, engine.dtype, engine.device, progress=False)
-            model, cfg = drafter_linears(loaded.model, engine.config.quantization), loaded.config
+            method = spec.quantization or engine.config.quantization
+            model, cfg = drafter_linears(loaded.model, method), loaded.config
             if cfg.vocab_size != engine.model_config.vocab_size:
                 raise ModelLoadError(
                     f"draft model {spec.model!r} has vocabulary size {cfg.vocab_size}, the target "

@@ -52,9 +52,9 @@ class Eagle3Drafter:
         # no model named: the target is the default model (EngineConfig checks), whose head ships
         path = spec.model or default_head_path()
         self.head: Eagle3Head = load_eagle3_head(path, tc, engine.device, engine.dtype, embed)
-        # CPU: the head's linears packed or quantized as the target's (it serves here; training
-        # builds its own)
-        drafter_linears(self.head, engine.config.quantization)
+        # CPU: the head's linears quantized as speculative_config.quantization says, else as
+        # the target's, else packed (it serves here; training builds its own)
+        drafter_linears(self.head, spec.quantization or engine.config.quantization)
         hc = self.head.config
         # per-position temperatures of the confidence logits (head training's calibration):
         # c_j = sigmoid(z_j / T_j), the last temperature for positions past the list

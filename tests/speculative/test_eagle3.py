@@ -214,6 +214,23 @@ def test_a_quantized_engine_quantizes_its_head(target, prompts, heads, overlap):
     assert llm.get_metrics()["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["host", "device"])
+def test_speculative_quantization_quantizes_the_head_alone(target, prompts, ref, heads, overlap):
+    """speculative_config.quantization="int8" (vLLM's field for the drafter's weights): an int8
+    head drafting for an fp32 target; greedy outputs stay the fp32 target's own."""
+    from specserve.model.quant import Int8Linear
+
+    spec = _spec(heads["copy"], verify_budget="off", quantization="int8")
+    llm = make_llm(model=target[0], overlap=overlap, speculative_config=spec)
+    eng = llm.engine
+    head = (eng.device_drafting.model_drafter if overlap else eng.drafter).head
+    layers = [m for m in head.modules() if isinstance(m, (Int8Linear, torch.nn.Linear))]
+    assert layers and all(isinstance(m, Int8Linear) for m in layers)
+    assert not any(isinstance(m, Int8Linear) for m in eng.target_model.modules())
+    assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("head", ["copy", "random"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head, temperature):
