@@ -80,6 +80,8 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
             spec["model"] = args.draft_model  # else the default model's shipped head
         if args.method == "golden":
             spec["acceptance_rate"] = args.acceptance_rate
+        if getattr(args, "draft_quantization", None):
+            spec["quantization"] = args.draft_quantization
     return LLM(
         model=args.model,
         dtype=args.dtype,
@@ -450,6 +452,11 @@ def add_sweep_parser(sub: Any) -> None:
         "--quantization",
         default=None,
         help="CPU: int8, w8a8 or int4 weights for every mode (a drafter's own with them)",
+    )
+    p.add_argument(
+        "--draft-quantization",
+        default=None,
+        help="CPU: int8 or w8a8 weights for the drafter alone (speculative_config.quantization)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine and dataset seed")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
