@@ -126,13 +126,35 @@ def tokenize_prompts(
 
 
 class AnswerCache:
-    """`<dir>/meta.json` (the DataSpec) and `<dir>/samples.jsonl` (one Sample a line)."""
+    """`<dir>/meta.json` (the DataSpec), `<dir>/samples.jsonl` (one Sample a line) and, once
+    every prompt is answered, `<dir>/complete.json` (how many prompts passed the length filter):
+    a resumed run then reads the answers back without tokenizing the prompts again."""
 
-    def __init__(self, root: Path, spec: DataSpec) -> None:
+    def __init__(self, root: Path, spec: DataSpec | None) -> None:
         self.root = root
         self.spec = spec
         self.meta_path = root / "meta.json"
         self.samples_path = root / "samples.jsonl"
+        self.complete_path = root / "complete.json"
+
+    def num_complete(self) -> int | None:
+        """The number of prompts when every one is answered, else None."""
+        if not (self.complete_path.is_file() and self.meta_path.is_file()):
+            return None
+        return int(json.loads(self.complete_path.read_text())["prompts"])
+
+    def mark_complete(self, num_prompts: int) -> None:
+        self.complete_path.write_text(json.dumps({"prompts": num_prompts}) + "\n")
+
+    def load_complete(self, num_prompts: int) -> list[Sample]:
+        """Every prompt's answer, in prompt order (a cache marked complete)."""
+        got = {s.index: s for s in self.load() if s.index < num_prompts}
+        if len(got) != num_prompts:
+            raise TrainHeadError(
+                f"{self.root} is marked complete for {num_prompts} prompts but holds "
+                f"{len(got)} of their answers; remove {self.complete_path.name} to answer the rest"
+            )
+        return [got[i] for i in range(num_prompts)]
 
     def check_spec(self) -> None:
         if not self.meta_path.is_file():

@@ -137,6 +137,10 @@ def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[S
     )
     cache = AnswerCache(job.out / "data", spec)
     cache.check_spec()
+    done = cache.num_complete()
+    if done is not None:
+        _log(f"all {done} prompts answered already ({cache.root})")
+        return cache.load_complete(done)
     texts: list[Prompt]
     if job.prompts_file is None:
         # more than asked: the length filter drops many (tokenizing stops once enough pass)
@@ -150,7 +154,7 @@ def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[S
         raise TrainHeadError(f"only {len(prompts)} prompts pass the length filter; need >= 2")
     if len(prompts) < job.num_prompts:
         _log(f"{len(prompts)} prompts pass the length filter ({job.num_prompts} asked)")
-    return regenerate(
+    samples = regenerate(
         llm,
         prompts,
         cache,
@@ -160,6 +164,9 @@ def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[S
         job.progress,
         deadline,
     )
+    if samples is not None:
+        cache.mark_complete(len(prompts))
+    return samples
 
 
 def evaluate_head(
@@ -297,6 +304,10 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
     torch.manual_seed(job.train.seed)
     t_start = time.perf_counter()
     deadline = None if job.time_limit is None else time.monotonic() + job.time_limit
+    # every prompt answered: the engine only lends its model (training runs its own forward),
+    # so no CUDA graphs and a token KV cache (build_data still checks the cache's spec)
+    answered = AnswerCache(job.out / "data", None).num_complete() is not None
+    lean: dict[str, Any] = {"enforce_eager": True, "kv_cache_memory_gb": 0.01} if answered else {}
     llm = LLM(
         model=job.model,
         dtype=job.dtype,
@@ -305,6 +316,7 @@ def train_head(job: HeadTrainingJob, command: str = "") -> dict[str, Any]:
         max_num_seqs=job.max_num_seqs,
         gpu_memory_utilization=job.gpu_memory_utilization,
         progress=job.progress,
+        **lean,
     )
     target = llm.engine.target_model
     _log("target engine ready")

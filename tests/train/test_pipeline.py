@@ -119,6 +119,41 @@ def _samples(n: int, seed: int) -> list[Sample]:
     ]
 
 
+def test_a_complete_answer_cache_is_read_back_as_is(
+    tmp_path: Path, train_target_dir: Path, prompts_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every prompt is answered the cache says so: a later run reads the answers back
+    without tokenizing a prompt, on an engine without CUDA graphs or a real KV cache (it only
+    lends its model to training); a cache marked complete that lost answers is refused."""
+    import specserve
+    import specserve.train.pipeline as pl
+
+    out = tmp_path / "run"
+    first = train_head(_job(out, train_target_dir, prompts_file, epochs=1))
+    assert json.loads((out / "data" / "complete.json").read_text()) == {"prompts": 12}
+    shutil.rmtree(out / "checkpoint")
+    built: list[dict] = []
+    real_llm = specserve.LLM
+
+    def llm(*args, **kwargs):
+        built.append(kwargs)
+        return real_llm(*args, **kwargs)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("a complete cache tokenized its prompts again")
+
+    monkeypatch.setattr(specserve, "LLM", llm)
+    monkeypatch.setattr(pl, "tokenize_prompts", no_tokenizing)
+    again = train_head(_job(out, train_target_dir, prompts_file, epochs=1))
+    assert again["data"] == first["data"] | {"seconds": again["data"]["seconds"]}
+    assert built[0]["enforce_eager"] and built[0]["kv_cache_memory_gb"] < 0.1
+    lines = (out / "data" / "samples.jsonl").read_text().splitlines()
+    (out / "data" / "samples.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    shutil.rmtree(out / "checkpoint")
+    with pytest.raises(ValueError, match="marked complete for 12 prompts but holds 11"):
+        train_head(_job(out, train_target_dir, prompts_file, epochs=1))
+
+
 def test_resumed_training_equals_an_uninterrupted_run(
     tmp_path: Path, train_target_dir: Path
 ) -> None:
