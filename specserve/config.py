@@ -102,6 +102,7 @@ class SpeculativeConfig:
 
 # a drafter's weights: int4 keeps GGUF blocks only a target has
 DRAFT_QUANTIZATION = ("int8", "w8a8")
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # vLLM's fp8 variants are refused by name
 
 
 # dtype names an engine takes; vLLM's "half" and "float" are aliases of float16 / float32
@@ -134,6 +135,9 @@ class EngineConfig:
     # allocated (model, KV cache and whatever else holds memory on the device)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_memory_gb: float | None = None  # set: the KV cache size, overriding the share
+    # vLLM's: "auto" keeps K/V in the model's dtype; "bfloat16" halves an fp32 model's KV
+    # cache (twice the tokens in the same memory; attention math stays fp32)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
@@ -210,6 +214,7 @@ class EngineConfig:
             )
         _check_device(self.device, self.tensor_parallel_size)
         check_quantization(self.quantization, self.device, tp)
+        self._check_kv_cache_dtype(tp)
         if spec is not None and spec.quantization is not None:
             check_quantization(
                 spec.quantization, self.device, tp, "speculative_config.quantization"
@@ -220,6 +225,32 @@ class EngineConfig:
                     "the target's weights (set quantization instead)",
                     "speculative_config.quantization",
                 )
+
+    def _check_kv_cache_dtype(self, tp: int) -> None:
+        kv = self.kv_cache_dtype
+        if kv == "auto":
+            return
+        if kv not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype={kv!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}",
+                "kv_cache_dtype",
+            )
+        if tp > 1:
+            raise InvalidRequestError(
+                f"kv_cache_dtype={kv!r} is not supported with tensor_parallel_size > 1",
+                "kv_cache_dtype",
+            )
+        import torch
+
+        kind = self.device.partition(":")[0]
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if kind == "cuda" and self.dtype not in ("auto", "bfloat16"):
+            raise InvalidRequestError(
+                f"kv_cache_dtype={kv!r} with dtype={self.dtype!r} runs on the CPU only (the CUDA "
+                "kernels read K/V in the model's dtype); leave kv_cache_dtype='auto'",
+                "kv_cache_dtype",
+            )
 
     def step_token_budget(self, device_type: str, max_model_len: int) -> int:
         """Rows one step may hold (before the engine's floor of one decode row per request).

@@ -64,6 +64,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         release_dropped_engines(self.device)  # an engine built before, now dropped, goes first
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.bfloat16
         # tensor parallelism: workers start now; the model loads on the host, then is sharded
         self.tp = start_tensor_parallel(config, self.device)
         device = self.tp.load_device if self.tp else self.device
@@ -146,6 +147,7 @@ class LLMEngine:
                 *runner_args,
                 pool.draft_ids if pool is not None else None,
                 pool.rejected if pool is not None else None,
+                self.kv_dtype,
             )
         # Before the verify budget's calibration below, so the step-cost curve times the graphs.
         self.runner.init_cuda_graphs(
@@ -233,7 +235,7 @@ class LLMEngine:
         mc, cfg = self.model_config, self.config
         kv_heads = self.tp.plan.max_kv_heads if self.tp else mc.num_key_value_heads  # per rank
         per_block = kv_bytes_per_block(
-            mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.block_size, self.dtype
+            mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.block_size, self.kv_dtype
         )
         if cfg.kv_cache_memory_gb is not None:
             budget = int(cfg.kv_cache_memory_gb * 2**30)

@@ -86,3 +86,29 @@ def test_a_drafters_quantization_is_checked_before_loading(
     err = _refused(spec, "speculative_config.quantization", **engine)
     for w in words:
         assert w in str(err)
+
+
+@pytest.mark.parametrize(
+    ("engine", "words"),
+    [
+        ({"kv_cache_dtype": "fp8"}, ["'fp8'", "bfloat16"]),
+        ({"kv_cache_dtype": "bfloat16", "tensor_parallel_size": 2}, ["tensor_parallel_size"]),
+    ],
+)
+def test_unsupported_kv_cache_dtypes_are_refused_by_name(engine: dict, words: list[str]) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(device="cpu", **engine)
+    assert e.value.param == "kv_cache_dtype"
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_bf16_kv_cache_under_a_wider_model_is_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "auto" is CUDA here
+    with pytest.raises(InvalidRequestError, match="CPU only") as e:
+        EngineConfig(kv_cache_dtype="bfloat16", dtype="float32")
+    assert e.value.param == "kv_cache_dtype"
+    EngineConfig(kv_cache_dtype="bfloat16")  # auto dtype on CUDA is bfloat16: the same
+    EngineConfig(kv_cache_dtype="bfloat16", dtype="float32", device="cpu")

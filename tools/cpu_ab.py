@@ -11,7 +11,8 @@ and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `i
 (quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `:kernel` / `:torch` (the CPU
 attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
 optionally `@threads`. A `+flinear` after the name keeps F.linear for the linear layers
-($SPECSERVE_CPU_LINEAR=torch; else oneDNN over packed weights, model/cpu_linear.py):
+($SPECSERVE_CPU_LINEAR=torch; else oneDNN over packed weights, model/cpu_linear.py); `+kvbf16`
+stores the KV cache in bf16 (kv_cache_dtype):
 
     python tools/cpu_ab.py --variants fp32:torch,fp32:kernel --repeats 5
     python tools/cpu_ab.py --variants fp32+flinear@2,fp32@2 --repeats 5
@@ -141,9 +142,9 @@ def parse_variant(v: str) -> dict[str, Any]:
     if name in ("llamacpp", "vllm"):
         return {"name": v, "engine": None, "external": name, "threads": int(threads or 1)}
     name, _, attention = name.partition(":")
-    name, plus, linear = name.partition("+")
-    if plus and linear != "flinear":
-        raise SystemExit(f"unknown suffix in {v!r} (+flinear)")
+    name, plus, suffix = name.partition("+")
+    if plus and suffix not in ("flinear", "kvbf16"):
+        raise SystemExit(f"unknown suffix in {v!r} (+flinear or +kvbf16)")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
     quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
@@ -154,8 +155,10 @@ def parse_variant(v: str) -> dict[str, Any]:
         kw["quantization"] = quant
     elif quant:
         raise SystemExit(f"unknown variant {v!r}")
-    if plus:
+    if suffix == "flinear":
         kw["cpu_linear"] = "torch"  # read when the engine loads (not an LLM argument)
+    elif suffix == "kvbf16":
+        kw["kv_cache_dtype"] = "bfloat16"
     return {
         "name": v,
         "engine": kw,

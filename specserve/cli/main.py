@@ -56,6 +56,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "Q4_1 re-encoded exactly) (default: weights in --dtype)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype) or bfloat16 (an fp32 model's KV cache in half the memory)",
+    )
+    g.add_argument(
         "--max-num-seqs", type=int, default=64, help="requests running at once (default 64)"
     )
     g.add_argument(
@@ -137,6 +142,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

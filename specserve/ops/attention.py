@@ -304,7 +304,10 @@ def _run_short(
             folded = mask.repeat_interleave(group, dim=2)  # [B, 1, Qm * G, Lm]
             g.folded_masks[group] = folded
         mask = folded
-    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    # K/V narrower than q (kv_cache_dtype): widened, the math stays in q's dtype
+    dt = torch.promote_types(q.dtype, k.dtype)
+    qs, k, v = qs.to(dt), k.to(dt), v.to(dt)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
     o = o.view(b, hkv, qm, group, d).transpose(1, 2).reshape(b * qm, h, d)
     return o
 
@@ -358,10 +361,11 @@ def paged_attention_torch(
     for r in plan.long:
         k, v = _gather_kv(cache, r.kv_slots)  # [L, Hkv, D]
         qr = q[r.row_start : r.row_end].transpose(0, 1)[None]  # [1, H, Lq, D]
-        k = k.transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v.transpose(0, 1)[None]
+        dt = torch.promote_types(q.dtype, k.dtype)
+        k = k.transpose(0, 1)[None].to(dt)  # [1, Hkv, L, D]
+        v = v.transpose(0, 1)[None].to(dt)
         o = F.scaled_dot_product_attention(
-            qr.to(k.dtype),
+            qr.to(dt),
             k,
             v,
             attn_mask=r.mask,

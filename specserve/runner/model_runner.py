@@ -64,6 +64,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         draft_ids: torch.Tensor | None = None,  # [slots + 1, k] int64, the slot pool's
         rejected: torch.Tensor | None = None,  # [slots + 1] int64, the slot pool's
+        kv_dtype: torch.dtype | None = None,  # K/V in the cache (None: dtype)
     ) -> None:
         self.model = model
         # [slots] the token each request sampled in its latest step, indexed by its slot (0 =
@@ -86,10 +87,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        kv_dtype = kv_dtype or dtype
         self.kv_caches = [
             KVCache(
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
+                torch.zeros(shape, dtype=kv_dtype, device=device),
             )
             for _ in range(num_layers)
         ]

@@ -131,7 +131,7 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
         return None
     eng = engine
     dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-    key = f"{eng.model_name}|{dev}|{eng.dtype}|{torch.get_num_threads()}|{buckets}"
+    key = f"{eng.model_name}|{dev}|{eng.dtype}|{eng.kv_dtype}|{torch.get_num_threads()}|{buckets}"
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep2"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
     key += f"|fused={env.settings.fused_ops}"

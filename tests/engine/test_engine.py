@@ -196,3 +196,31 @@ def test_eager_warm_up_runs_each_tile_class_and_changes_no_output():
         for o in make_llm(max_num_seqs=4).generate(prompts, sp, use_tqdm=False)
     ]
     assert [o.outputs[0].token_ids for o in warmed.generate(prompts, sp, use_tqdm=False)] == want
+
+
+def test_a_bf16_kv_cache_under_an_fp32_model():
+    """kv_cache_dtype="bfloat16" (vLLM's field): K/V stored in bf16, the model and attention
+    math in fp32. Speculation stays lossless against the same engine without it (both read
+    the same rounded K/V), and the first step's logits stay close to an fp32 cache's."""
+    import torch
+
+    prompts = [p * 3 for p in prompts_of([7, 12, 5], seed=21)]  # repeats: n-gram drafts
+    half = make_llm(kv_cache_dtype="bfloat16", max_num_seqs=4)
+    cache = half.engine.runner.kv_caches[0]
+    assert cache.k.dtype == cache.v.dtype == torch.bfloat16
+    spec = make_llm(
+        kv_cache_dtype="bfloat16",
+        max_num_seqs=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "verify_budget": "off"},
+    )
+    plain = _tokens(half.generate(prompts, GREEDY, use_tqdm=False))
+    assert _tokens(spec.generate(prompts, GREEDY, use_tqdm=False)) == plain
+    assert spec.get_metrics()["spec_accepted_tokens"] > 0
+    full = make_llm(max_num_seqs=4)
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    a = full.generate(prompts, one, use_tqdm=False)
+    b = half.generate(prompts, one, use_tqdm=False)
+    for x, y in zip(a, b):
+        la, lb = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        assert set(la) & set(lb)
+        assert all(abs(la[t].logprob - lb[t].logprob) < 0.05 for t in set(la) & set(lb))

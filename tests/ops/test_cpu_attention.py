@@ -104,6 +104,24 @@ def test_kernel_matches_reference_and_torch_path(lib, layout: dict, bf16: bool) 
     assert torch.equal(again, out)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts())
+def test_fp32_rows_over_a_bf16_cache_keep_fp32_math(lib, layout: dict) -> None:
+    """kv_cache_dtype="bfloat16" under an fp32 model: the kernel and the torch path both widen
+    the bf16 K/V and compute in fp32, equal to a dense reference over the bf16-rounded K/V."""
+    window = layout.pop("window")
+    s = _setup(**layout, dtype=torch.bfloat16)
+    q = s.q.float()  # the model's fp32 rows
+    out = cpu_attention.paged_attention_cpu(lib, q, s.cache, s.ctx, 0.3, window)
+    torch_path = paged_attention_torch(q, s.cache, s.ctx, 0.3, window)
+    assert out.dtype == torch_path.dtype == torch.float32
+    ks = [k.to(torch.bfloat16).float() for k in s.ks]
+    vs = [v.to(torch.bfloat16).float() for v in s.vs]
+    ref = _dense_reference(q, ks, vs, layout["q_lens"], layout["ctx_lens"], 0.3, window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch_path, out, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
