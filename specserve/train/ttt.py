@@ -163,11 +163,11 @@ def ttt_loss(
         tgt_logits = shift(batch.draft_logits, 1 + i)[:, w:]  # [B, L - w, Vd]
         tgt_lse = shift(batch.logsumexp, 1 + i)[:, w:]
         tgt_greedy = shift(batch.greedy, 1 + i, -1)[:, w:].clamp_min(0)
-        logq = out.logits.log_softmax(-1)  # [B, L, Vd]
+        logq = out.logits.log_softmax(-1)  # [B, L - w, Vd]
         p_renorm = tgt_logits.softmax(-1)
         ce_mask = mask & in_vocab[tgt_greedy]
         ce_rows = ce_mask.sum()
-        ce_row = -(p_renorm * logq).sum(-1)  # [B, L]
+        ce_row = -(p_renorm * logq).sum(-1)  # [B, L - w]
         ce = (ce_row * ce_mask).sum() / ce_rows.clamp_min(1)
         with torch.no_grad():
             label = acceptance_label(logq.exp(), (tgt_logits - tgt_lse[..., None]).exp())
