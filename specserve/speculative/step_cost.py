@@ -1,21 +1,13 @@
 """The step-cost curve: seconds of one decode/verify step against its total rows (total_q).
 
-One curve, three parts:
-- a start-up sweep: one synthetic decode/verify step per graph bucket (cached per machine and
-  model under $SPECSERVE_CACHE/step-cost), the price of every bucket until real steps run in it;
-- online per-bucket averages: a bucket that has run SWEEP_REPS real steps is priced at the median
-  of its last WINDOW of them (the first real step of each bucket is a warm-up and is left out: a
-  kernel compiled for a new shape once took 2.5 s on the H200 where the step takes 6 ms). Like
-  the sweep's own median of SWEEP_REPS, one stalled step among them (a compile, a collection, a
-  neighbour) never sets a price: an H200 sweep once saw a bucket priced at 0.5 s from one such
-  step, which then, as the floor of every larger bucket, kept the chooser below it for good;
-- a monotone envelope: an unmeasured bucket costs at least every measured smaller one (more rows
-  never cost less: real steps outrank the start-up sweep), then cost(b) = min over buckets >= b,
-  since a step can always be padded up to a larger bucket. Optimistic on purpose: a price too
-  low is chosen, run and corrected by the real steps.
-
-Between buckets the curve is a step function where steps run padded to their bucket (CUDA graphs)
-and linear otherwise (CPU: exact rows); past the largest bucket it grows in proportion to rows.
+A start-up sweep prices every graph bucket (one synthetic step each, cached per machine and model
+under $SPECSERVE_CACHE/step-cost); a bucket that has run SWEEP_REPS real steps is priced at the
+median of its last WINDOW (its first real step, a warm-up that may compile kernels, left out: one
+stalled step never sets a price); a monotone envelope then makes an unmeasured bucket cost at
+least every measured smaller one and no bucket more than a larger one (a step can be padded up).
+Optimistic on purpose: a price too low is chosen, run and corrected by the real steps. Between
+buckets: a step function where steps run padded (CUDA graphs), linear on the CPU; past the
+largest bucket, proportional to rows. docs/verify_budget.md has the why.
 """
 
 from __future__ import annotations

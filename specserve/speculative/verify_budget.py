@@ -1,38 +1,19 @@
 """The verify budget: how many draft rows the next step verifies, and which ones.
 
-Survival a[i][j] = prod_{m <= j} c[i][m] (confidences clamped to [0, 1]) estimates the chance that
-draft j of request i is accepted. A step of base_rows rows (one per decode request) plus M draft
-rows yields, in expectation, n + (the survivals of its draft rows) tokens and costs
-step_time(base_rows + M) (step_cost.StepCostCurve). For each M the best rows are the M largest
-survivals; survival never grows along a request's drafts, so with ties going to the earlier
-position (then the earlier request) they are a prefix per request. The chooser scores every M
-against the curve and keeps the best rate of tokens per second. Zero survival is never a
-candidate: zero confidence gives no drafts. A chosen M of 0 is a plain step, which costs what a
-plain step costs.
+Survival a[i][j] = prod_{m <= j} c[i][m] (confidences clamped to [0, 1]) estimates the chance
+that draft j of request i is accepted. A step of base_rows rows (one per decode request) plus M
+draft rows yields n + (the survivals of its draft rows) tokens in expectation and costs
+step_time(base_rows + M) (step_cost.StepCostCurve); the chooser keeps the M with the best rate
+of tokens per second, its rows the M largest survivals (a prefix per request: survival never
+grows along a request's drafts; ties to the earlier position, then request). Zero survival is
+never verified; M = 0 is a plain step, costing what a plain step costs. Monotone: scaling every
+survival up never lowers the chosen M under a non-decreasing curve.
 
-API (survivals on the host as numpy [n, k]; split_rows also takes torch tensors on any device):
-  survivals(confidences) -> [n, k]
-  choose(surv, base_rows, step_times, max_rows, room=None) -> BudgetChoice
-  split_rows(surv, total) -> [n] int64: the rows of each request when `total` draft rows go by
-      the global order of survivals. Tensor ops only (no .item(), no host sync, fixed shapes): it
-      runs on the device inside a CUDA graph, and on CPU. Not used by the engine yet: the host
-      lays out each request's rows, and moving rows between requests inside the step needs
-      the step's layout (positions, KV slots, attention metadata) built on the device.
-  VerifyBudget(curve, max_rows), the engine's budget (VerifyBudget.for_engine measures the curve):
-      .choose(surv, base_rows, room=None) -> BudgetChoice    against its curve
-      .choose_total(surv, base_rows, room=None) -> int       M alone
-      .observe_step(total_q, seconds)                        a real step refines the curve
-      .allot(surv, base_rows, room=None) -> list[int]        the drafts each request verifies
-          (choose, exploration, the metrics below), planned before drafting. Device drafters
-          (overlap): the host sizes step N+1 by the confidences read back from step N-1 (one
-          step old: N, which drafts for N+1, is still in flight); the device fills each
-          request's rows with the newest drafts. Host drafters (speculator.py): from the
-          confidences of each request's previous drafts; each request then drafts only its
-          allotment, none at 0.
-      metrics: offered_rows, chosen_rows, expected_accepted, seqlens_q()
-
-Monotone: with a non-decreasing curve, scaling all survivals up by a common factor never lowers
-the chosen total.
+survivals(confidences) -> [n, k]; choose(...) -> BudgetChoice; split_rows(surv, total): the same
+split by tensor ops with no host sync (for a device split inside a CUDA graph; not used by the
+engine yet). VerifyBudget: the engine's chooser against its curve (allot: the drafts each
+request verifies, with exploration and metrics; observe_step: a real step refines the curve).
+docs/verify_budget.md explains where the confidences come from under overlap and why.
 """
 
 from __future__ import annotations
@@ -133,11 +114,6 @@ class VerifyBudget:
         self, surv: np.ndarray, base_rows: int, room: Sequence[int] | None = None
     ) -> BudgetChoice:
         return choose(surv, base_rows, self.curve.times, self.max_rows, room)
-
-    def choose_total(
-        self, surv: np.ndarray, base_rows: int, room: Sequence[int] | None = None
-    ) -> int:
-        return self.choose(surv, base_rows, room).total
 
     def observe_step(self, total_q: int, seconds: float) -> None:
         self.curve.observe(total_q, seconds)

@@ -61,7 +61,7 @@ def _loop(budget: VerifyBudget, surv: np.ndarray, true_cost, steps: int) -> list
     """The budget choosing and running `steps` steps that cost true_cost(rows)."""
     n, totals = surv.shape[0], []
     for _ in range(steps):
-        m = budget.choose_total(surv, n)
+        m = budget.choose(surv, n).total
         budget.observe_step(n + m, true_cost(n + m))
         totals.append(m)
     return totals
@@ -78,7 +78,7 @@ def test_a_wrong_start_up_curve_is_corrected_by_real_steps(padded, true_cost):
     the budget first verifies too much, and converges to the choice the true curve makes."""
     surv = survivals(np.full((4, 6), 0.7))
     true = curve_of(BUCKETS, true_cost, padded)
-    want = VerifyBudget(true, 64).choose_total(surv, 4)
+    want = VerifyBudget(true, 64).choose(surv, 4).total
     budget = VerifyBudget(curve_of(BUCKETS, lambda b: 0.5, padded), 64)
     totals = _loop(budget, surv, lambda r: float(true.times(np.array([r]))[0]), 60)
     assert totals[0] > want or totals[0] == 24  # it started wrong (or at the most there is)

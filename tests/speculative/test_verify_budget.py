@@ -155,10 +155,6 @@ def test_verify_budget_allot_keeps_metrics_consistent_within_room():
     assert budget.expected_accepted == pytest.approx(sum(0.9 ** (j + 1) for j in range(keep[0])))
     assert budget.seqlens_q() == {1: 2, 1 + keep[0]: 1}
     assert budget.allot(surv, 3, room=[1, 3, 3])[0] == 1  # a request's room caps its drafts
-    assert (
-        budget.choose_total(survivals([[0.9, 0.9, 0.9]]), 1)
-        == budget.choose(survivals([[0.9, 0.9, 0.9]]), 1).total
-    )
 
 
 def _golden_llm(rate: float):
