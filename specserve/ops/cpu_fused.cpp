@@ -19,11 +19,29 @@ namespace {
 constexpr int kParallelRows = 32;  // below this a call stays on the calling thread
 constexpr int kMaxHeadDim = 512;
 
+// fp32 -> bf16 bits as torch rounds (c10::BFloat16: nearest even, NaN -> 0x7FC0)
+inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if (std::isnan(f)) return 0x7FC0;
+    return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// n values of src into the cache at dst: fp32 as is, or rounded to bf16
+inline void store(void* dst, int64_t at, const float* src, int n, bool bf16) {
+    if (!bf16) {
+        std::memcpy(static_cast<float*>(dst) + at, src, n * sizeof(float));
+        return;
+    }
+    uint16_t* out = static_cast<uint16_t*>(dst) + at;
+    for (int i = 0; i < n; ++i) out[i] = to_bf16(src[i]);
+}
+
 }  // namespace
 
 extern "C" {
 
-int specserve_cpu_fused_version() { return 2; }
+int specserve_cpu_fused_version() { return 3; }
 
 // new_res = x + res (res may be null: new_res is not written), out = rms_norm(new_res) * w.
 // x [T, N] row stride ldx, res [T, N] row stride ldr, out and new_res [T, N] contiguous.
@@ -70,12 +88,13 @@ void specserve_silu_and_mul(const float* gu, int64_t ld, float* out, int T, int 
 
 // Neox rotary over the NQ + NKV first heads of each row of qkv [T, NQ + 2 NKV, D] (row stride
 // ld, heads contiguous): q heads rotated in place, k heads rotated into k_cache[slot], v heads
-// copied into v_cache[slot] (caches [slots, NKV, D]); slot < 0 (padding) writes nothing.
+// copied into v_cache[slot] (caches [slots, NKV, D], fp32, or bf16 when kv_bf16: rounded as
+// torch's .to(bfloat16)); slot < 0 (padding) writes nothing.
 // cos_sin [T, 2, D] (row stride cs_ld, sin part at + cs_part) holds cos and the signed sin:
 // rotated = x * cos + roll(x, D / 2) * sin, as ops/fused.py's apply_rope.
 int specserve_rope_write_kv(float* qkv, int64_t ld, int NQ, int NKV, int D, const float* cos_sin,
-                            int64_t cs_ld, int64_t cs_part, float* k_cache, float* v_cache,
-                            const int64_t* slots, int T, int threads) {
+                            int64_t cs_ld, int64_t cs_part, void* k_cache, void* v_cache,
+                            int kv_bf16, const int64_t* slots, int T, int threads) {
     if (D > kMaxHeadDim || D % 2) return -1;
     const int half = D / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (T >= kParallelRows && threads > 1)
@@ -86,21 +105,20 @@ int specserve_rope_write_kv(float* qkv, int64_t ld, int NQ, int NKV, int D, cons
         const int64_t slot = slots[t];
         for (int h = 0; h < NQ + NKV; ++h) {
             float* x = row + static_cast<int64_t>(h) * D;
-            float* dst = x;  // q: in place
-            if (h >= NQ) {
-                if (slot < 0) continue;
-                dst = k_cache + (slot * NKV + (h - NQ)) * D;
-            }
+            if (h >= NQ && slot < 0) continue;
             float rot[kMaxHeadDim];
 #pragma omp simd
             for (int i = 0; i < half; ++i) rot[i] = x[i] * c[i] + x[i + half] * s[i];
 #pragma omp simd
             for (int i = half; i < D; ++i) rot[i] = x[i] * c[i] + x[i - half] * s[i];
-            std::memcpy(dst, rot, D * sizeof(float));
+            if (h < NQ)
+                std::memcpy(x, rot, D * sizeof(float));  // q: in place
+            else
+                store(k_cache, (slot * NKV + (h - NQ)) * D, rot, D, kv_bf16);
         }
         if (slot >= 0)
-            std::memcpy(v_cache + slot * NKV * D, row + static_cast<int64_t>(NQ + NKV) * D,
-                        static_cast<size_t>(NKV) * D * sizeof(float));
+            store(v_cache, slot * NKV * D, row + static_cast<int64_t>(NQ + NKV) * D, NKV * D,
+                  kv_bf16);
     }
     return 0;
 }

@@ -22,7 +22,7 @@ from specserve.ops import cpu_build
 from specserve.ops.forward_context import KVCache
 
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 MAX_HEAD_DIM = 512  # kMaxHeadDim of the rotary
 
 
@@ -34,7 +34,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.specserve_add_rms_norm.restype = None
     lib.specserve_silu_and_mul.argtypes = [p, i64, p, i32, i32, i32]
     lib.specserve_silu_and_mul.restype = None
-    lib.specserve_rope_write_kv.argtypes = [p, i64, i32, i32, i32, p, i64, i64, p, p, p, i32, i32]
+    lib.specserve_rope_write_kv.argtypes = [
+        p, i64, i32, i32, i32, p, i64, i64, p, p, i32, p, i32, i32,
+    ]  # fmt: skip
     lib.specserve_rope_write_kv.restype = ctypes.c_int
     lib.specserve_argmax_rows.argtypes = [p, i64, i32, i32, p, i32]
     lib.specserve_argmax_rows.restype = None
@@ -93,7 +95,7 @@ def rope_write_kv_(
     qkv: torch.Tensor,  # [T, H + 2 Hkv, D], heads contiguous within a row
     num_q_heads: int,
     cos_sin: torch.Tensor,  # [T, 2, 1, D], last dim contiguous
-    cache: KVCache,  # fp32, contiguous
+    cache: KVCache,  # fp32 or bf16, contiguous
     slot_mapping: torch.Tensor,  # [T] int64 contiguous, negative = padding row
 ) -> torch.Tensor:  # q [T, H, D]: rotated in place, a view of qkv
     t, nh, d = qkv.shape
@@ -102,7 +104,8 @@ def rope_write_kv_(
         rc = _kernel.get().specserve_rope_write_kv(
             qkv.data_ptr(), qkv.stride(0), num_q_heads, hkv, d,
             cos_sin.data_ptr(), cos_sin.stride(0), cos_sin.stride(1),
-            cache.k.data_ptr(), cache.v.data_ptr(), slot_mapping.data_ptr(), t,
+            cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.bfloat16),
+            slot_mapping.data_ptr(), t,
             torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:

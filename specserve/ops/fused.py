@@ -120,7 +120,11 @@ def _cpu_rope_ok(
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
         and slot_mapping.device.type == "cpu"
-        and cpu_fused.usable(qkv, cos_sin, cache.k, cache.v)
+        # an fp32 model's cache may be bf16 (kv_cache_dtype): the kernel rounds as torch does
+        and cache.k.dtype == cache.v.dtype
+        and cache.k.dtype in (torch.float32, torch.bfloat16)
+        and cache.k.device.type == "cpu"
+        and cpu_fused.usable(qkv, cos_sin)
     )
 
 

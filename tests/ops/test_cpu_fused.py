@@ -60,11 +60,14 @@ def test_silu_and_mul(rows: int) -> None:
     rows=st.integers(1, 40),
     heads=st.sampled_from([(9, 3), (4, 4), (8, 1)]),
     head_dim=st.sampled_from([8, 64, 128]),
+    cache_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     data=st.data(),
 )
 def test_rope_write_kv_bit_exact(
-    rows: int, heads: tuple[int, int], head_dim: int, data: st.DataObject
+    rows: int, heads: tuple[int, int], head_dim: int, cache_dtype: torch.dtype, data: st.DataObject
 ) -> None:
+    """fp32 rows into an fp32 cache, or a bf16 one (kv_cache_dtype) rounded as torch rounds,
+    ties to even included."""
     h, hkv = heads
     num_slots = 4 * 64
     slots = data.draw(
@@ -78,7 +81,8 @@ def test_rope_write_kv_bit_exact(
     cos_sin = RotaryEmbedding(head_dim, 10000.0, None, 8192).cos_sin(positions, 5001, torch.float32)
     g = torch.Generator().manual_seed(rows * head_dim)
     qkv = torch.randn(rows, h + 2 * hkv, head_dim, generator=g)
-    poison = torch.full((4, 64, hkv, head_dim), float("nan"))
+    qkv[:, h + hkv :, :2] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8])  # bf16 ties (V is copied)
+    poison = torch.full((4, 64, hkv, head_dim), float("nan"), dtype=cache_dtype)
     cache = KVCache(poison.clone(), poison.clone())
     ref_cache = KVCache(poison.clone(), poison.clone())
 
