@@ -9,9 +9,8 @@ launch).
 What the host does: when a request starts running (admission, also after a preemption) it
 uploads the request's tokens (n-gram history) and golden ids + coins, applied on the device at
 the start of that step, in stream order behind every step that still reads the slot's previous
-owner. Per step it uploads the n-gram confidences (each request's acceptance estimate, learned
-one step late from the readback). Everything else is device work in StepSampler.execute's
-after_verify.
+owner. Per step it uploads the n-gram confidences (its acceptance estimate, learned one step
+late from the readback). Everything else is device work in StepSampler.execute's after_verify.
 
 The verify budget (allot below) sizes each request's rows on the host from the confidences read
 back with each step: those of the drafts a step wrote for the step after it. Under overlap the
@@ -35,7 +34,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import h2d
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.acceptance import AcceptanceEstimator
+from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
 from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
@@ -130,9 +129,7 @@ class DeviceDrafting:
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
-            # [R, k] each request's own acceptance estimate (the engine's rate its prior), as
-            # the host n-gram drafter plans with
-            rates = [self.acceptance.confidences(s.request_id, self.k) for s in seqs]
+            rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
         if self.model_drafter is not None:
             lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)

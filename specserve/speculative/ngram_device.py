@@ -55,8 +55,8 @@ class NgramDeviceDrafter:
     def draft(
         self, slots: torch.Tensor, seq_len: torch.Tensor, conf: torch.Tensor, bound: int
     ) -> None:
-        """Drafts of every request of the step into its pool slot (-1 where none); conf [R, k]
-        (or [k]): each position's confidence (the host's acceptance estimate); bound: a host bound
+        """Drafts of every request of the step into its pool slot (-1 where none); conf [k]:
+        the confidence of each position (the host's acceptance estimate); bound: a host bound
         on the lengths (only that much of the history is scanned)."""
         pool, width = self.pool, max(1, min(bound, self.width))
         k = pool.draft_ids.shape[1]

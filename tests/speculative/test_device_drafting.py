@@ -130,30 +130,6 @@ def test_requests_that_read_their_tokens_on_the_host_verify_no_device_drafts():
     assert any(nd for step in seen for r, nd in step.items() if int(r) != penalized)
 
 
-def test_device_ngram_confidences_are_each_requests_own_estimate():
-    """The n-gram drafter inside the step is given each request's own acceptance estimate (the
-    engine's rate its prior), as the host n-gram drafter plans with: a request whose drafts
-    verify gets high confidences, one whose drafts fail low, so the budget tells them apart."""
-    from types import SimpleNamespace
-
-    llm = make_llm(overlap=True, speculative_config=NGRAM)
-    dd = llm.engine.device_drafting
-    for _ in range(20):
-        dd.acceptance.record("copying", 3, 3)
-        dd.acceptance.record("inventing", 3, 0)
-    seen = []
-    dd.ngram.append = lambda *args: None
-    dd.ngram.draft = lambda slots, seq_len, conf, bound: seen.append(conf)
-    seqs = [SimpleNamespace(request_id="copying"), SimpleNamespace(request_id="inventing")]
-    hook = dd.step_hook(seqs, [5, 7], [3, 3])
-    none = SimpleNamespace(verified_token_ids=None, sampled_token_ids=None, num_accepted=None)
-    hook(SimpleNamespace(slots=torch.tensor([1, 2]), layout=None), none, torch.tensor([9, 11]))
-    (conf,) = seen
-    want = [dd.acceptance.confidences(r, 3) for r in ("copying", "inventing")]
-    torch.testing.assert_close(conf, torch.tensor(want, dtype=torch.float32))
-    assert conf[0, 0] > 0.8 and conf[1, 0] < 0.3
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=4),
