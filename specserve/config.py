@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from specserve.sampling_params import InvalidRequestError
@@ -48,15 +48,7 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}",
                 "speculative_config",
             )
-        known = {
-            "prompt_lookup_min",
-            "prompt_lookup_max",
-            "model",
-            "verify_budget",
-            "acceptance_rate",
-            "quantization",
-            "draft_tensor_parallel_size",
-        }
+        known = {f.name for f in fields(SpeculativeConfig)} - {"method", "num_speculative_tokens"}
         unknown = sorted(key for key in spec if key not in known)
         if unknown:  # vLLM fields specserve does not honour are refused, never ignored
             raise InvalidRequestError(
