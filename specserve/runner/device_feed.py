@@ -15,12 +15,14 @@ fix the rest on the device:
   request's context length) moves back by that many. Slot 0 of `rejected` is 0.
 
 The verification's side (DraftFeed: the same indices over the verify layout) reads the drafts
-and corrects the output indices, and advance_slots writes the per-slot state the next step
-reads: each request's length and the rows this step rejected.
+and corrects the output indices (feed_verify_rows), and advance_slots writes the per-slot state
+the next step reads: each request's length and the rows this step rejected. On CUDA both run as
+one Triton launch each (triton_feed.py); the torch ops here are their reference and the CPU's.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -81,6 +83,67 @@ class DraftFeed(NamedTuple):
     row_shift: torch.Tensor  # [total_q] int64, slot whose rejected rows correct row r; 0
     req_shift: torch.Tensor  # [R] int64, the same per request
     anchor_pos: torch.Tensor  # [R] int64, KV position of each anchor row as the host laid it
+
+
+def feed_kernels(x: torch.Tensor) -> ModuleType | None:
+    """triton_feed for CUDA tensors when triton is importable, else None (the torch path)."""
+    if not x.is_cuda:
+        return None
+    from specserve.ops.triton_attention import use_triton
+
+    if not use_triton(x.device):
+        return None
+    from specserve.runner import triton_feed
+
+    return triton_feed
+
+
+def feed_verify_rows(
+    counter: torch.Tensor,  # [total_q] int64, output index of each row (host upper bound)
+    draft_ids: torch.Tensor,  # [total_q] int64, host drafts (placeholders where draft_at > 0)
+    feed: DraftFeed,
+    pool: DraftSlotPool,
+    golden: tuple[torch.Tensor, torch.Tensor] | None,  # (row_to_req [total_q], slots [R])
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(counter, draft_ids, golden token per row or None) as the verification reads them: the
+    in-flight step's rejections taken off each row's output index, each row's draft read from
+    the slot pool, and (golden) the golden token at the corrected index, -1 past the end."""
+    kernels = feed_kernels(counter)
+    if kernels is not None and (golden is None or pool.gold is not None):
+        gold = None if golden is None else (*golden, pool.gold)
+        return kernels.feed_rows(
+            counter, draft_ids, feed.draft_at, feed.row_shift, pool.rejected,
+            pool.flat_draft_ids, gold,
+        )  # fmt: skip
+    counter = counter - pool.rejected[feed.row_shift]
+    gather = (feed.draft_at - 1).clamp_min(0)
+    draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
+    forced = None
+    if golden is not None:
+        row_to_req, slots = golden
+        forced = pool.golden_rows(slots[row_to_req], counter)
+    return counter, draft_ids, forced
+
+
+def drafted_and_advance(
+    layout: RowLayout,
+    slots: torch.Tensor,  # [R] int64
+    num_accepted: torch.Tensor,  # [R] int64
+    draft_ids: torch.Tensor,  # [total_q] int64, the draft each verify row checked (-1: none)
+    feed: DraftFeed,
+    pool: DraftSlotPool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """drafted_rows then advance_slots: (drafts verified [R], their confidences [total_q], the
+    requests' new lengths [R])."""
+    kernels = feed_kernels(slots)
+    if kernels is not None:
+        return kernels.drafted_and_advance(
+            layout.seqlens_q, layout.ftp, draft_ids, layout.is_verify, feed.draft_at,
+            pool.draft_conf.view(-1), feed.anchor_pos, feed.req_shift, num_accepted, slots,
+            pool.rejected, pool.seq_len, layout.max_drafts + 1,
+        )  # fmt: skip
+    count, conf = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
+    return count, conf, advance_slots(layout, slots, num_accepted, feed, pool)
 
 
 def drafted_rows(

@@ -18,8 +18,8 @@ from specserve.ops.logits_processing import LogitsProcessing, apply_logits_proce
 from specserve.ops.logprobs import LogprobsResult, compute_logprobs
 from specserve.ops.penalties import apply_penalties
 from specserve.ops.sampling import SamplingTensors
-from specserve.ops.transfer import Readback, h2d
-from specserve.runner.device_feed import DraftFeed, advance_slots, drafted_rows
+from specserve.ops.transfer import Readback, h2d, h2d_packed
+from specserve.runner.device_feed import DraftFeed, drafted_and_advance, feed_verify_rows
 from specserve.runner.logits_plan import plan_logits_processing
 from specserve.runner.sampler_inputs import (
     GOLDEN,
@@ -248,10 +248,9 @@ class StepSampler:
             row_shift.extend([seq.slot if sh else 0] * (len(d) + 1))
         req_shift = [s.slot if sh else 0 for s, sh in zip(seqs, shifts)]
 
-        def i64(x: list[int]) -> torch.Tensor:
-            return h2d(x, torch.int64, self.device)
-
-        return DraftFeed(i64(at), i64(row_shift), i64(req_shift), i64(anchor_pos or []))
+        i64 = torch.int64
+        arrays = [(at, i64), (row_shift, i64), (req_shift, i64), (anchor_pos or [], i64)]
+        return DraftFeed(*h2d_packed(arrays, self.device))
 
     def execute(
         self,
@@ -270,11 +269,10 @@ class StepSampler:
         t, draft_ids, forced, feed = plan.t, plan.draft_ids, plan.forced, plan.feed
         if feed is not None:
             pool = self.pool
-            t = dataclasses.replace(t, counter=t.counter - pool.rejected[feed.row_shift])
-            gather = (feed.draft_at - 1).clamp_min(0)
-            draft_ids = torch.where(feed.draft_at > 0, pool.flat_draft_ids[gather], draft_ids)
-            if plan.golden:
-                forced = pool.golden_rows(plan.slots[layout.row_to_req], t.counter)
+            golden = (layout.row_to_req, plan.slots) if plan.golden else None
+            counter, draft_ids, fed = feed_verify_rows(t.counter, draft_ids, feed, pool, golden)
+            t = dataclasses.replace(t, counter=counter)
+            forced = fed if plan.golden else forced
             if pool.q is not None and draft_probs is None:
                 # q of each verify row's draft (EAGLE-3): 0 where it has none, so a row that
                 # checks -1 resamples from p itself
@@ -304,8 +302,10 @@ class StepSampler:
             next_tokens.index_copy_(0, plan.slots, result.sampled_token_ids)
         drafted = next_conf = None
         if feed is not None:
-            drafted = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
-            seq_len = advance_slots(layout, plan.slots, result.num_accepted, feed, pool)
+            count, conf, seq_len = drafted_and_advance(
+                layout, plan.slots, result.num_accepted, draft_ids, feed, pool
+            )
+            drafted = (count, conf)
             if after_verify is not None:
                 after_verify(plan, result, seq_len)
                 next_conf = pool.draft_conf[plan.slots]  # what the budget sizes the next step by

@@ -151,7 +151,7 @@ class DeviceDrafting:
                     lay, plan, result, seq_len, seq_len - self.prompt_len[slots]
                 )
             else:
-                self.golden.draft(slots, seq_len - self.prompt_len[slots])
+                self.golden.draft(slots, seq_len, self.prompt_len)
 
         return hook
 

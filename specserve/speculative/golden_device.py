@@ -14,6 +14,7 @@ import torch
 
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
+from specserve.runner.device_feed import feed_kernels
 from specserve.speculative.golden import golden_coins
 
 
@@ -34,15 +35,25 @@ class GoldenDeviceDrafter:
         self.coins[slot].zero_()
         self.coins[slot, : coins.shape[0]].copy_(coins)
 
-    def draft(self, slots: torch.Tensor, num_output: torch.Tensor) -> None:
-        """num_output [R] int64: output tokens of each request after this step."""
+    def draft(self, slots: torch.Tensor, seq_len: torch.Tensor, prompt_len: torch.Tensor) -> None:
+        """slots [R], seq_len [R] int64: each request's length after this step; prompt_len
+        [slots + 1] int64. On CUDA one Triton launch (runner/triton_feed.py), else the torch ops
+        below (its reference)."""
         pool = self.pool
         k = pool.draft_ids.shape[1]
         r = slots.shape[0]
         if pool.gold is None or self.coins is None:
             pool.draft_ids.index_fill_(0, slots, -1)
             return
+        kernels = feed_kernels(slots)
+        if kernels is not None:
+            kernels.golden_drafts(
+                slots, seq_len, prompt_len, pool.gold, self.coins, pool.draft_ids,
+                pool.draft_conf, self.vocab_size, self.rate,
+            )  # fmt: skip
+            return
         width = pool.gold.shape[1]
+        num_output = seq_len - prompt_len[slots]  # [R] output tokens after this step
         at = num_output.unsqueeze(1) + torch.arange(k, device=slots.device)  # [R, k]
         inside = at < width
         col = at.clamp(0, width - 1)
