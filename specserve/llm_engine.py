@@ -5,43 +5,20 @@ from __future__ import annotations
 import logging
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
-from specserve import env
 from specserve.config import EngineConfig
-from specserve.distributed import TensorParallelError, start_tensor_parallel
+from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
-from specserve.engine.block_manager import BlockManager
-from specserve.engine.device import (
-    freeze_startup_objects,
-    release_dropped_engines,
-    resolve_device,
-    resolve_dtype,
-)
+from specserve.engine.build import build
 from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
-from specserve.engine.launch import LaunchedStep, Launcher, settle
-from specserve.engine.ledger import HostStepResult, Ledger
-from specserve.engine.outputs import OutputPool, TokenOutput
-from specserve.engine.scheduler import Scheduler, StepBatch
+from specserve.engine.launch import LaunchedStep, settle
+from specserve.engine.ledger import HostStepResult
+from specserve.engine.outputs import TokenOutput
+from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
-from specserve.engine.slots import DraftSlotPool
-from specserve.model.cpu_linear import pack_linears
-from specserve.model.loader import cache_dir, load_model
-from specserve.ops.triton_attention import use_triton
-from specserve.runner.cuda_graph import CudaGraphBackend
-from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
-from specserve.runner.step_sampler import StepSampler
-from specserve.runner.timeline import StepTimeline
 from specserve.sampling_params import SamplingParams
-from specserve.speculative.device_drafting import DEVICE_METHODS, DeviceDrafting
-from specserve.speculative.drafter import build_drafter
-from specserve.speculative.speculator import Speculator
-from specserve.speculative.verify_budget import VerifyBudget
-from specserve.structured.backend import GrammarBackend
 
 log = logging.getLogger("specserve.engine")
 _FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
@@ -59,140 +36,15 @@ class EngineStats:
 
 
 class LLMEngine:
+    """Steps requests: schedule, launch the step's device work, read it back, run the ledger.
+
+    Its parts are built by engine/build.py: the model (target_model, model_config, tokenizer,
+    tp), KV cache and runner (num_kv_blocks, block_manager, runner), speculation (drafter and
+    speculator on the host, device_drafting inside the step; slot_pool, budget), scheduler,
+    ledger, output pool (pool), sampler, launcher, grammars, timeline."""
+
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        release_dropped_engines(self.device)  # an engine built before, now dropped, goes first
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.bfloat16
-        # tensor parallelism: workers start now; the model loads on the host, then is sharded
-        self.tp = start_tensor_parallel(config, self.device)
-        device = self.tp.load_device if self.tp else self.device
-        loaded = load_model(
-            config.model, self.dtype, device, progress, config.tokenizer, config.revision
-        )
-        if self.tp:
-            loaded.model = self.tp.shard(loaded.model, loaded.config, self.dtype)
-        elif config.quantization is None:  # quantize_engine swaps the dense layers later
-            pack_linears(loaded.model)  # CPU: oneDNN over packed weights (a no-op elsewhere)
-        self.model_name = loaded.name
-        self.model_config = mc = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
-        self.max_num_batched_tokens = config.step_token_budget(self.device.type, self.max_model_len)
-        if self.max_num_batched_tokens < config.max_num_seqs * (1 + k):
-            self.max_num_batched_tokens = config.max_num_seqs * (1 + k)
-        num_blocks = self._num_kv_blocks()
-        self.num_kv_blocks = num_blocks
-        self.target_model = loaded.model
-        spec = config.speculative_config
-        want = config.overlap if config.overlap is not None else self.device.type == "cuda"
-        # Device drafters (n-gram, golden) draft inside the step, so overlap holds with
-        # speculation on; they run with overlap (on CPU too, with the forward in the worker).
-        # Host drafters (draft model, EAGLE-3) need each step's tokens on the host before they
-        # draft the next: with them only the steps that verify no drafts overlap (the verify
-        # budget pausing speculation at high load, or nothing to draft: Speculator.may_overlap).
-        # (not under tensor parallelism: workers rebuild each step's inputs from its rows and
-        # have no slot pool to read drafts from; drafters there run on rank 0's host)
-        on_device = (
-            spec is not None
-            and want
-            and spec.method in DEVICE_METHODS
-            and env.settings.device_drafts
-            and self.tp is None
-        )
-        self.drafter = build_drafter(spec, self) if spec and not on_device else None
-        self.overlap = want and self.drafter is None
-        self.overlap_when_paused = want and self.drafter is not None
-        # one slot per running request: drafts live there, and so does the token each request
-        # sampled last (runner.next_tokens), which overlap feeds to the next step on the device
-        self.slot_pool = (
-            DraftSlotPool(
-                config.max_num_seqs,
-                k,
-                mc.vocab_size,
-                (self.drafter is not None and self.drafter.has_q)
-                or (on_device and spec.method in ("eagle3", "draft_model")),
-                self.device,
-            )
-            if spec or want
-            else None
-        )
-        self.device_drafting = (
-            DeviceDrafting(
-                spec, self.slot_pool, mc.vocab_size, config.seed, self.max_model_len, self
-            )
-            if on_device
-            else None
-        )
-        runner_args = (
-            loaded.model,
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            num_blocks,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.max_num_seqs,
-        )
-        if self.tp:
-            self.runner = self.tp.runner(*runner_args)
-        else:
-            pool = self.slot_pool
-            self.runner = ModelRunner(
-                *runner_args,
-                pool.draft_ids if pool is not None else None,
-                pool.rejected if pool is not None else None,
-                self.kv_dtype,
-            )
-        # Before the verify budget's calibration below, so the step-cost curve times the graphs.
-        self.runner.init_cuda_graphs(
-            config.max_num_seqs,
-            1 + k,
-            self.max_model_len,
-            capture=not config.enforce_eager,
-            progress=progress,
-        )
-        if (
-            self.device_drafting
-            and getattr(self.runner, "graphs", None)
-            and not config.enforce_eager
-        ):
-            self.device_drafting.capture(CudaGraphBackend(self.device))
-        if use_triton(self.device):
-            self.runner.warm_up_eager(min(self.max_num_batched_tokens, self.max_model_len))
-        eos = frozenset(
-            mc.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer else [])
-        )
-        self.eos_ids = eos
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.max_model_len,
-            self.slot_pool,
-            device_drafts=self.device_drafting is not None,
-            # a model drafter's chain writes its own KV k - 1 positions past the verified rows
-            lookahead=k - 1 if self.device_drafting and self.device_drafting.model_drafter else 0,
-        )
-        # two steps of outputs live at once, each at most every row of a step plus the requests
-        # that end without a token in it (aborts, prompt too long)
-        cap = config.output_pool_capacity or 2 * (
-            self.max_num_batched_tokens + 4 * config.max_num_seqs
-        )
-        self.pool = OutputPool(cap)
-        self.ledger = Ledger(self.scheduler, self.pool, eos, self.tokenizer)
-        self.sampler = StepSampler(self.device, eos, mc.vocab_size, self.slot_pool)
-        self.launcher = Launcher(self)  # queues each step's device work (engine/launch.py)
-        # structured outputs: xgrammar is set up at the first request that needs it
-        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
         self.requests: dict[str, Sequence] = {}
         self._terminal: list[Sequence] = []  # ended without a token; reported next step
         self.seed_rng = random.Random(config.seed)  # seeds of requests that set none
@@ -206,48 +58,9 @@ class LLMEngine:
         self.num_prompt_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
-        # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
-        # so steps still run in order and each reads the next_tokens its predecessor wrote)
-        self._worker = (
-            ThreadPoolExecutor(
-                1,
-                thread_name_prefix="specserve-step",
-                # intra-op thread counts are per thread under OpenMP: match the caller's, or the
-                # GEMMs block differently and greedy outputs drift from the synchronous path
-                initializer=torch.set_num_threads,
-                initargs=(torch.get_num_threads(),),
-            )
-            if want and self.device.type != "cuda"
-            else None
-        )
-        self.timeline = StepTimeline(self.device)  # device idle between steps (benchmarks)
-        self.budget = (
-            VerifyBudget.for_engine(self, cache_dir() if config.cache_step_cost else None)
-            if (self.drafter is not None or on_device) and spec.verify_budget == "auto"
-            else None
-        )
-        self.speculator = Speculator(self) if self.drafter is not None else None
         self._last_readback: float | None = None  # of the last step read back (_time_step)
-        if self.device.type == "cuda":
-            freeze_startup_objects()
-
-    def _num_kv_blocks(self) -> int:
-        mc, cfg = self.model_config, self.config
-        kv_heads = self.tp.plan.max_kv_heads if self.tp else mc.num_key_value_heads  # per rank
-        per_block = kv_bytes_per_block(
-            mc.num_hidden_layers, kv_heads, mc.head_dim, cfg.block_size, self.kv_dtype
-        )
-        if cfg.kv_cache_memory_gb is not None:
-            budget = int(cfg.kv_cache_memory_gb * 2**30)
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = cfg.cuda_kv_budget(free, _total)  # gpu_memory_utilization's share
-        else:
-            budget = 2 * 2**30
-        useful = (
-            cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size + 1) + 1
-        )
-        return max(2, min(budget // per_block, useful))
+        # the model, KV cache, runner, speculation, scheduler and ledger (engine/build.py)
+        build(self, config, progress)
 
     # -- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
