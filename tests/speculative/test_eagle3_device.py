@@ -1,0 +1,111 @@
+"""EAGLE-3 drafting inside the step (eagle3_device.py, with overlap): greedy outputs equal
+speculation off, sampled runs repeat themselves, the drafts are the host drafter's, and the
+graphs' padded bodies replayed on the CPU draft what the eager chain drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
+from specserve.speculative.eagle3_chain import Eagle3Chain
+from tests.engine.conftest import make_llm
+from tests.speculative.eagle3_heads import _ids, _spec
+from tests.speculative.fake_graphs import FakeGraphs
+
+
+@pytest.mark.parametrize("head", ["copy", "random"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_eagle3_drafts_inside_the_step(target, prompts, ref, heads, head, temperature):
+    """With overlap the head drafts inside the step (eagle3_device.py): every step launched
+    behind the one in flight, drafts accepted, preemption on the way. Greedy: the outputs of
+    speculation off; sampled: rejection sampling against the head's q, seeded, so the run
+    repeats itself (a flat random target accepts next to nothing there; test_lossless.py
+    checks the distribution, absent drafts included)."""
+    llm = make_llm(
+        model=target[0],
+        speculative_config=_spec(heads[head], k=3, verify_budget="off"),
+        kv_cache_memory_gb=10 * 16384 / 2**30,
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+        overlap=True,
+        debug_invariants=True,
+    )
+    eng = llm.engine
+    assert eng.device_drafting is not None and eng.device_drafting.model_drafter is not None
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    if temperature == 0.0:
+        assert _ids(outs) == ref
+    else:
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(outs)
+    assert eng.num_sync_steps == 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    m = llm.get_metrics()
+    assert m["spec_draft_tokens"] > 0
+    if head == "copy" and temperature == 0.0:
+        assert m["spec_accepted_tokens"] > m["spec_draft_tokens"] / 4
+        assert max(m["spec_acceptance_per_position"][1:]) > 0  # multi-token accepts
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+
+
+def test_device_eagle3_drafts_are_the_host_drafters(target, prompts, ref, heads):
+    """Synchronous host drafting and device drafting with overlap draft the same tokens: the
+    catch-up over the step's rows (prompt rows at a request's first drafting) and the chain
+    leave the head's KV as the host drafter's."""
+    spec = _spec(heads["random"], k=3, verify_budget="off")
+    host = make_llm(model=target[0], speculative_config=spec, max_num_seqs=8)
+    dev = make_llm(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _ids(dev.generate(prompts, sp, use_tqdm=False)) == _ids(
+        host.generate(prompts, sp, use_tqdm=False)
+    )
+    a, b = dev.engine.ledger.spec, host.engine.ledger.spec
+    assert a.num_accepted_tokens == b.num_accepted_tokens > 0
+
+
+def _padded(llm) -> FakeGraphs:
+    md = llm.engine.device_drafting.model_drafter
+    old = md.chain
+    md.chain = Eagle3Chain(
+        md._step, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
+        md.block_size, md.trash, padded=True, store=md.inner.store,
+    )  # fmt: skip
+    fake = FakeGraphs()
+    md.chain.capture(fake, md.head.rotary._table)
+    return fake
+
+
+@pytest.mark.parametrize("head", ["random", "copy"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
+    target,
+    prompts,
+    ref,
+    heads,
+    temperature,
+    head,
+):
+    """The graphs' bodies (chain, and steady catch-up + chain, padded to buckets) replayed on
+    the CPU draft what the eager catch-up and chain draft, to the token."""
+    spec = _spec(heads[head], k=3, verify_budget="off")
+    kw = dict(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
+    eager, graphs = make_llm(**kw), make_llm(**kw)
+    fake = _padded(graphs)
+    assert fake.captured == 2 * len(chain_buckets(8)) * len(_SHAPES)  # chain, steady
+    sp = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
+    a = eager.generate(prompts, sp, use_tqdm=False)
+    b = graphs.generate(prompts, sp, use_tqdm=False)
+    assert fake.replays > 0
+    # most steps caught up inside the graph (the steady state), the rest eagerly (admissions)
+    chain = graphs.engine.device_drafting.model_drafter.chain
+    assert chain.num_steady > chain.num_replays / 2
+    assert _ids(a) == _ids(b)
+    if temperature == 0.0:
+        assert _ids(b) == ref
+    sa, sb = eager.engine.ledger.spec, graphs.engine.ledger.spec
+    assert (sa.num_draft_tokens, sa.num_accepted_tokens) == (
+        sb.num_draft_tokens,
+        sb.num_accepted_tokens,
+    )
+    assert sb.num_draft_tokens > 0
