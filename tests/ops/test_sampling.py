@@ -294,3 +294,73 @@ def test_cuda_matches_cpu() -> None:
     # the same probs give the same tokens (the noise is bit-identical; log may differ by an ulp)
     same = sample(p_cpu.cuda(), t_gpu).cpu() == sample(p_cpu, t_cpu)
     assert same.float().mean().item() > 0.99
+
+
+def _mixed_rows(seed: int, n: int = 48, vocab: int = 1500) -> torch.Tensor:
+    """Peaked rows (a cut among few tokens), flat rows (a cut past the candidates) and rows of
+    few distinct values (ties straddling the cut and the candidates' edge)."""
+    gen = torch.Generator().manual_seed(seed)
+    peaked = torch.randn(n // 3, vocab, generator=gen) * 6
+    flat = torch.randn(n // 3, vocab, generator=gen) * 0.05
+    ties = torch.randint(-4, 3, (n - 2 * (n // 3), vocab), generator=gen).float() * 1.5
+    return torch.cat([peaked, flat, ties])[torch.randperm(n, generator=gen)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_top_p_from_candidates_is_the_full_sort(seed: int, monkeypatch) -> None:
+    from specserve.ops import sampling
+
+    x = _mixed_rows(seed, n=60, vocab=6000)
+    n = x.shape[0]
+    gen = torch.Generator().manual_seed(100 + seed)
+    top_p = torch.rand(n, generator=gen) * 0.99 + 0.005
+    top_p[:3] = torch.tensor([1.0, 1e-6, 0.999999])
+    probs = x.softmax(dim=-1)
+    proved: dict[int, int] = {}
+    cut_among = sampling._cut_among
+
+    def spy(*args):
+        done, cols = cut_among(*args)
+        proved[args[3]] = int(done.sum())
+        return done, cols
+
+    monkeypatch.setattr(sampling, "_cut_among", spy)
+    got = sampling._top_p_candidates(x, probs, top_p)
+    assert torch.equal(got, sampling._top_p_sorted(x, probs, top_p))
+    # every way was taken: each candidate size proved some rows, the full sort took the rest
+    assert all(proved.get(k, 0) > 0 for k in sampling.TOP_P_CANDIDATES), proved
+    assert 0 < int((top_p < 1).sum()) - sum(proved.values()) < n // 3
+
+
+def test_cpu_top_k_top_p_keeps_what_the_sorted_definition_keeps() -> None:
+    from specserve.ops import sampling
+
+    x = _mixed_rows(7)
+    n = x.shape[0]
+    gen = torch.Generator().manual_seed(8)
+    top_k = torch.randint(0, 400, (n,), generator=gen)
+    top_p = torch.rand(n, generator=gen) * 0.9 + 0.05
+    got = sampling._apply_top_k_top_p(x, top_k, top_p)
+    desc, order = x.sort(dim=-1, descending=True, stable=True)
+    masked = x.masked_fill(x < sampling._kth_threshold(desc, top_k), float("-inf"))
+    assert torch.equal(got, sampling._top_p_sorted(masked, masked.softmax(-1), top_p, order))
+
+
+@pytest.mark.parametrize("salt", [SAMPLE_SALT, RESAMPLE_SALT])
+def test_cpu_race_over_nonzero_tokens_is_the_dense_race(salt: int) -> None:
+    from specserve.ops import sampling
+    from specserve.ops.random import hashed_uniform
+
+    x = _mixed_rows(3, n=90, vocab=3000)
+    x = x[x.std(dim=-1) > 1.0]  # peaked and tied rows: their top-p sets are small
+    n = x.shape[0]
+    params = [SamplingParams(temperature=0.9, top_p=0.3 + 0.01 * i, seed=i) for i in range(n)]
+    t = SamplingTensors.build(params, [p.seed for p in params], list(range(n)), "cpu")
+    probs = target_probs(x, t)
+    u = hashed_uniform(t.seed, t.counter, salt, probs.shape[1])
+    dense = (probs / u.log().neg()).argmax(dim=-1)
+    sparse = sampling._race_nonzero(probs, t, salt)
+    assert sparse is not None and torch.equal(sparse, dense)
+    assert torch.equal(sample(probs, t, salt), dense)
+    # not sparse (no filter): the dense race runs
+    assert sampling._race_nonzero(x.softmax(-1), t, salt) is None
