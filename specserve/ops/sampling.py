@@ -272,8 +272,14 @@ def sample(probs: torch.Tensor, t: SamplingTensors, salt: int = SAMPLE_SALT) -> 
     greedy_ids = probs.argmax(dim=-1)  # [N]
     if t.all_greedy:
         return greedy_ids
-    filtered = t.any_top_k or t.any_top_p or t.any_min_p
-    ids = _race_nonzero(probs, t, salt) if filtered and probs.device.type == "cpu" else None
+    ids = None
+    if probs.device.type == "cpu":
+        if t.any_top_k or t.any_top_p or t.any_min_p:
+            ids = _race_nonzero(probs, t, salt)
+        else:
+            from specserve.ops import cpu_race
+
+            ids = cpu_race.race(probs, t.seed, t.counter, salt)
     if ids is None:
         u = hashed_uniform(t.seed, t.counter, salt, probs.shape[1])  # [N, V] in (0, 1)
         exp_noise = u.log_().neg_()  # [N, V], E = -log u > 0 since u < 1
