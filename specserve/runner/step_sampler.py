@@ -273,9 +273,10 @@ class StepSampler:
             counter, draft_ids, fed = feed_verify_rows(t.counter, draft_ids, feed, pool, golden)
             t = dataclasses.replace(t, counter=counter)
             forced = fed if plan.golden else forced
-            if pool.q is not None and draft_probs is None:
+            if pool.q is not None and draft_probs is None and not t.all_greedy:
                 # q of each verify row's draft (EAGLE-3): 0 where it has none, so a row that
-                # checks -1 resamples from p itself
+                # checks -1 resamples from p itself (greedy rows never read q: a draft is
+                # accepted iff it is the argmax)
                 has = (feed.draft_at > 0) & (draft_ids >= 0)
                 q = pool.q[(feed.draft_at - 1).clamp_min(0)]
                 draft_probs = torch.where(has.unsqueeze(1), q, torch.zeros_like(q))
