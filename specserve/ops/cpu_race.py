@@ -1,6 +1,6 @@
 """The sampler's exponential race on the CPU in one compiled pass (cpu_race.cpp): sample()'s
-token for rows that sample from the whole vocabulary (temperature without filters), where torch
-spends ~0.2 ms a row of 49k tokens on the uniforms' hashing and logs. The same token as torch's
+token for every sampling row (filtered or not: a zero-probability token scores 0), where torch
+spends ~0.3 ms a row of 49k tokens on the uniforms' hashing and logs. The same token as torch's
 race but where two scores agree to within about an ulp (the log rounds once, in double).
 
 Built on first use by ops/cpu_build.py; no compiler: one warning, the torch ops.

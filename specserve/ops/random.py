@@ -105,16 +105,6 @@ def hashed_uniform(
     return (top * 2 + 1).to(torch.float32) * _INV_2_24  # [N, width]
 
 
-def hashed_uniform_at(
-    seed: torch.Tensor, counter: torch.Tensor, salt: int, cols: torch.Tensor
-) -> torch.Tensor:
-    """hashed_uniform's values at chosen columns only: [N] seeds/counters, cols [N, M] int64 ->
-    [N, M] float32, element [r, j] = hashed_uniform(...)[r, cols[r, j]] bit for bit."""
-    key = row_keys(seed, counter, salt)[:, None]  # [N, 1]
-    top = _srl(mix64(key + (cols + 1) * GAMMA), 64 - _MANTISSA_BITS)  # [N, M]
-    return (top * 2 + 1).to(torch.float32) * _INV_2_24
-
-
 def _hashed_uniform_slabs(
     seed: torch.Tensor, counter: torch.Tensor, salt: int, width: int
 ) -> torch.Tensor:  # [N, width] float32, the same bits as the one-shot path

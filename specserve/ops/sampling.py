@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.ops.random import hashed_uniform, hashed_uniform_at, to_int64_bits
+from specserve.ops.random import hashed_uniform, to_int64_bits
 from specserve.ops.transfer import h2d
 from specserve.sampling_params import SamplingParams
 
@@ -274,12 +274,9 @@ def sample(probs: torch.Tensor, t: SamplingTensors, salt: int = SAMPLE_SALT) -> 
         return greedy_ids
     ids = None
     if probs.device.type == "cpu":
-        if t.any_top_k or t.any_top_p or t.any_min_p:
-            ids = _race_nonzero(probs, t, salt)
-        else:
-            from specserve.ops import cpu_race
+        from specserve.ops import cpu_race
 
-            ids = cpu_race.race(probs, t.seed, t.counter, salt)
+        ids = cpu_race.race(probs, t.seed, t.counter, salt)
     if ids is None:
         u = hashed_uniform(t.seed, t.counter, salt, probs.shape[1])  # [N, V] in (0, 1)
         exp_noise = u.log_().neg_()  # [N, V], E = -log u > 0 since u < 1
@@ -287,22 +284,3 @@ def sample(probs: torch.Tensor, t: SamplingTensors, salt: int = SAMPLE_SALT) -> 
     if t.any_greedy:
         ids = torch.where(t.temperature <= 0.0, greedy_ids, ids)
     return ids
-
-
-def _race_nonzero(probs: torch.Tensor, t: SamplingTensors, salt: int) -> torch.Tensor | None:
-    """sample()'s race over each row's nonzero-probability tokens only, on the CPU, where the
-    uniforms of a whole 49k vocabulary cost ~0.6 ms a row: the same token (the same uniforms
-    and scores at those columns; zero-probability tokens score 0 and never win; among equal
-    scores the lowest column, as argmax). For rows filtered by top-k / top-p / min-p; None
-    when they are not sparse after all, or a row is all zeros."""
-    n, v = probs.shape
-    positive = probs > 0  # [N, V]
-    counts = positive.sum(dim=-1)  # [N]
-    if 4 * int(counts.sum()) > n * v or int(counts.min()) == 0:
-        return None
-    row, col = positive.nonzero(as_tuple=True)  # [nnz] each, row-major: columns ascending
-    u = hashed_uniform_at(t.seed[row], t.counter[row], salt, col[:, None]).squeeze(1)  # [nnz]
-    scores = probs[row, col].to(torch.float32) / u.log_().neg_()  # [nnz]
-    best = torch.full((n,), float("-inf")).scatter_reduce_(0, row, scores, "amax")
-    first = torch.full((n,), v, dtype=torch.int64)
-    return first.scatter_reduce_(0, row[scores == best[row]], col[scores == best[row]], "amin")
