@@ -4,17 +4,15 @@ separate draft model (a full replica on rank 0). Greedy outputs equal TP=1 witho
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from specserve import SamplingParams
 from specserve.model.config import ModelConfig
-from specserve.model.loader.dummy import PRESETS
 from tests.distributed.conftest import close
 from tests.engine.conftest import make_llm, prompts_of
-from tests.speculative.test_eagle3 import LAYERS, _copy_head
+from tests.speculative.eagle3_heads import LAYERS, _copy_head, tiny_target
 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 KV = {"kv_cache_memory_gb": 0.05}
@@ -22,10 +20,7 @@ KV = {"kv_cache_memory_gb": 0.05}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ModelConfig]:
-    root = tmp_path_factory.mktemp("tp_e3target")
-    cfg = dict(PRESETS["tiny"], num_hidden_layers=4)
-    (root / "config.json").write_text(json.dumps(cfg))
-    return f"dummy:{root}", ModelConfig.from_hf(cfg)
+    return tiny_target(tmp_path_factory.mktemp("tp_e3target"))
 
 
 @pytest.fixture(scope="module")

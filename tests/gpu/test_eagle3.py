@@ -16,7 +16,7 @@ from specserve import LLM, SamplingParams, env
 from specserve.model.config import ModelConfig
 from specserve.model.loader.dummy import PRESETS
 from tests.model.test_eagle3_format import write_tiny_head
-from tests.speculative.test_eagle3 import LAYERS, _copy_head, _ids, _spec, _spy
+from tests.speculative.eagle3_heads import LAYERS, _copy_head, _ids, _spec, _spy
 
 pytestmark = pytest.mark.gpu
 

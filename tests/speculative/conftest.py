@@ -1,6 +1,5 @@
 """Helpers shared by the verify-budget tests, and the EAGLE-3 tests' target and heads."""
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -8,11 +7,17 @@ import numpy as np
 import pytest
 
 from specserve.model.config import ModelConfig
-from specserve.model.loader.dummy import PRESETS
 from specserve.speculative.step_cost import SWEEP_REPS, StepCostCurve
 from tests.engine.conftest import make_llm, prompts_of
 from tests.model.test_eagle3_format import write_tiny_head
-from tests.speculative.eagle3_heads import LAYERS, SP, _copy_head, _ids, _with_temperatures
+from tests.speculative.eagle3_heads import (
+    LAYERS,
+    SP,
+    _copy_head,
+    _ids,
+    _with_temperatures,
+    tiny_target,
+)
 
 
 def curve_of(buckets: list[int], cost, padded: bool = False) -> StepCostCurve:
@@ -58,10 +63,7 @@ class FixedDrafter:
 # off, and two heads. Package-scoped: built once for the three files, as it was for the one.
 @pytest.fixture(scope="package")
 def target(tmp_path_factory) -> tuple[str, ModelConfig]:
-    root = tmp_path_factory.mktemp("e3target")
-    cfg = dict(PRESETS["tiny"], num_hidden_layers=4)
-    (root / "config.json").write_text(json.dumps(cfg))
-    return f"dummy:{root}", ModelConfig.from_hf(cfg)
+    return tiny_target(tmp_path_factory.mktemp("e3target"))
 
 
 @pytest.fixture(scope="package")

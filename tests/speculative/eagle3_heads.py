@@ -1,7 +1,7 @@
 """What the EAGLE-3 tests share: a head that drafts well on a random target (_copy_head, written
 in the vLLM/SGLang format), the target layers it reads, a spy on the host drafter's proposals.
-tests/gpu/test_eagle3.py and tests/distributed/test_tp_drafters.py import some of these through
-test_eagle3.py."""
+tests/gpu/test_eagle3.py, tests/distributed/test_tp_drafters.py and
+tests/structured/test_eagle3_schemas.py import them too."""
 
 from __future__ import annotations
 
@@ -14,10 +14,18 @@ import torch
 from specserve import SamplingParams
 from specserve.model.config import ModelConfig
 from specserve.model.loader import load_model
+from specserve.model.loader.dummy import PRESETS
 from tests.model.test_eagle3_format import head_config, write_head
 
 LAYERS = [0, 2, 3]  # explicit: a 4-layer target's default ids (2, 2, 1) repeat a layer
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def tiny_target(root: Path) -> tuple[str, ModelConfig]:
+    """A random 4-layer tiny Llama written under root (EAGLE-3 reads 3 distinct layers)."""
+    cfg = dict(PRESETS["tiny"], num_hidden_layers=4)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return f"dummy:{root}", ModelConfig.from_hf(cfg)
 
 
 def _ids(outs) -> list[list[int]]:

@@ -14,10 +14,7 @@ from specserve import SamplingParams, env
 from specserve.config import SpeculativeConfig
 from specserve.sampling_params import InvalidRequestError
 from tests.engine.conftest import make_llm
-
-# LAYERS, _copy_head and _spy: tests/gpu/test_eagle3.py and tests/distributed/test_tp_drafters.py
-# import them from here
-from tests.speculative.eagle3_heads import LAYERS, SP, _copy_head, _ids, _spec, _spy  # noqa: F401
+from tests.speculative.eagle3_heads import SP, _ids, _spec
 
 
 @pytest.mark.parametrize(

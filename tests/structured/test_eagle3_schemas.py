@@ -6,15 +6,13 @@ invalid, verified, and some accepted."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from specserve.model.config import ModelConfig
-from specserve.model.loader.dummy import PRESETS
 from tests.engine.conftest import make_llm
-from tests.speculative.test_eagle3 import _copy_head
+from tests.speculative.eagle3_heads import _copy_head, tiny_target
 from tests.structured.schemas import SCHEMAS
 from tests.structured.test_json_schemas import _check, _run
 
@@ -23,10 +21,7 @@ N = len(SCHEMAS)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> tuple[str, ModelConfig]:
-    root = tmp_path_factory.mktemp("e3schemas")
-    cfg = dict(PRESETS["tiny"], num_hidden_layers=4)
-    (root / "config.json").write_text(json.dumps(cfg))
-    return f"dummy:{root}", ModelConfig.from_hf(cfg)
+    return tiny_target(tmp_path_factory.mktemp("e3schemas"))
 
 
 @pytest.fixture(scope="module")
