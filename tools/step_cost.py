@@ -6,9 +6,10 @@ head makes come from `specserve bench spec-sweep`.
     python tools/step_cost.py --model dummy:llama-3.1-8b --head random --json out.json
     python tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct
 
-Modes: off; golden (acceptance 0: k verify rows a step, the verification's cost); eagle3 (the
-head's catch-up and k - 1 chained steps on top). Engines are built once and the repeats
-interleave the modes.
+Modes: off; off-eager-sampler (off with SPECSERVE_GRAPH_TAIL=0: the sampling after the forward
+graph runs eagerly, runner/graph_tail.py); golden (acceptance 0: k verify rows a step, the
+verification's cost); eagle3 (the head's catch-up and k - 1 chained steps on top). Engines are
+built once and the repeats interleave the modes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args()
-    from specserve import LLM, SamplingParams
+    from specserve import LLM, SamplingParams, env
     from specserve.bench.common import engine_kwargs
 
     head = args.head
@@ -62,21 +63,22 @@ def main() -> None:
     k, off = args.k, {"verify_budget": "off"}
     specs = {
         "off": None,
+        "off-eager-sampler": None,
         "golden": {"method": "golden", "num_speculative_tokens": k, "acceptance_rate": 0.0, **off},
         "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": k, **off},
     }
-    llms = {
-        m: LLM(
-            model=args.model,
-            dtype="bfloat16",
-            max_num_seqs=32,
-            speculative_config=s,
-            progress=False,
-            seed=0,
-            **engine_kwargs(1024, 4, False),
-        )  # fmt: skip
-        for m, s in specs.items()
-    }
+    llms = {}
+    for m, s in specs.items():
+        with env.override(graph_tail=m != "off-eager-sampler"):
+            llms[m] = LLM(
+                model=args.model,
+                dtype="bfloat16",
+                max_num_seqs=32,
+                speculative_config=s,
+                progress=False,
+                seed=0,
+                **engine_kwargs(1024, 4, False),
+            )
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     report: dict = {"model": args.model, "k": k, "device": torch.cuda.get_device_name(), "ms": {}}
     for b in map(int, args.batches.split(",")):

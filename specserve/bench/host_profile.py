@@ -21,7 +21,8 @@ step from the third with all of them decoding is timed, the one that finishes th
   costs ~0.5 us and they run per token, so this split is inflated and only read as shares.
 
 Phases: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: the step's inputs), plan
-(StepSampler.plan: the sampler's per-row inputs), launch (the rest of Launcher.launch),
+(StepSampler.plan, or pack_tail for a step sampling in its graph: the sampler's per-row
+inputs), launch (the rest of Launcher.launch),
 readback (SampledStep.wait: results to host lists), ledger (Ledger.process_outputs less the
 two below), detokenize (IncrementalDetokenizer), outputs (the ledger's pooled TokenOutputs and
 the consumer's copies of them), engine (the rest of LLMEngine.step), consumer (the caller's
@@ -203,6 +204,7 @@ def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
     from specserve.engine import launch as launch_mod
     from specserve.engine.detokenizer import IncrementalDetokenizer
     from specserve.engine.outputs import TokenOutput
+    from specserve.runner.graph_tail import SampledTail
     from specserve.runner.step_sampler import SampledStep
 
     eng = llm.engine
@@ -216,8 +218,10 @@ def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
     clock.wrap(eng.scheduler, "schedule", "schedule")
     clock.wrap(eng.runner, "prepare", "prepare")
     clock.wrap(eng.sampler, "plan", "plan")
+    clock.wrap(launch_mod, "pack_tail", "plan")  # a step sampling in its graph's tail
     clock.wrap(eng.launcher, "launch", "launch")
     clock.wrap(SampledStep, "wait", "readback")
+    clock.wrap(SampledTail, "wait", "readback")
     clock.wrap(eng.ledger, "process_outputs", "ledger")
     if eng.speculator is not None:  # host drafting (with device drafting: inside the device)
         clock.wrap(eng.speculator, "propose", "draft")

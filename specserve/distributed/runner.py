@@ -60,6 +60,8 @@ class TPStep(NamedTuple):
 class TPModelRunner(ModelRunner):
     """ModelRunner whose KV cache holds rank 0's KV heads and whose forwards run on every rank."""
 
+    sample_tail = False
+
     def __init__(self, tp: TensorParallel, model: torch.nn.Module, *args: Any, **kw: Any) -> None:
         super().__init__(model, *args, **kw)
         self.tp = tp

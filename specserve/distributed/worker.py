@@ -92,6 +92,7 @@ def _serve(
             replay_step(runner, msg[1], group)
         elif kind == "runner":
             runner = ModelRunner(model, *msg[1], device=device, **msg[2])
+            runner.sample_tail = False  # rank 0 samples (eagerly, as TPModelRunner does)
             conn.send(("ok",))
         elif kind == "graphs":
             runner.init_cuda_graphs(*msg[1], progress=False)

@@ -32,6 +32,9 @@ import torch
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
+from specserve.runner.cuda_graph import BucketStep
+from specserve.runner.graph_tail import SampledTail
+from specserve.runner.sampler_inputs import pack_tail
 from specserve.runner.step_sampler import SampledStep, SamplerPlan
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ class LaunchedStep:
     t0: float  # host time at launch (the step-cost curve)
     behind: bool  # launched while its predecessor was still in flight (device queue never empty)
     # its results on their way; None: a step of prefill chunks only, or sampling still deferred
-    sampled: SampledStep | WorkerStep | None = None
+    sampled: SampledStep | SampledTail | WorkerStep | None = None
     # overlapped: its requests count its tokens as pending, so it is processed at the next
     # step() (its ledger one step late); set once all its device work is queued
     overlapped: bool = False
@@ -110,10 +113,14 @@ class Launcher:
         next_tokens = eng.runner.next_tokens if overlap or dd is not None else None
         defer = overlap and behind and reads_tokens_in_flight(seqs)
         worker = eng._worker if overlap else None
+        # the common shape samples inside the bucket's graph, behind its forward (graph_tail.py)
+        if isinstance(inputs, BucketStep) and worker is None and seqs and eng.runner.graphs.tail:
+            host_only = dd is None and draft_q is None and not defer
+            inputs.tail = host_only and pack_tail(seqs, drafts, inputs.tail_views())
         step = LaunchedStep(batch, seqs, t0, behind)
         logits: torch.Tensor | None = None  # inline (no worker): the forward's output
 
-        def forward() -> torch.Tensor:  # [total_q, V]
+        def forward() -> torch.Tensor | SampledTail:  # [total_q, V]
             if admitted:
                 dd.apply(admitted)
             return eng.runner.forward(inputs)
@@ -128,6 +135,10 @@ class Launcher:
             step.forward = worker.submit(forward)
         else:
             logits = forward()
+            if isinstance(logits, SampledTail):
+                step.sampled = logits
+                self._queued(step, overlap, drafts)
+                return step
             p = plan()  # host work (grammar bitmasks) while the device runs the forward queued
 
         def sample(full: SamplerPlan) -> SampledStep | WorkerStep:

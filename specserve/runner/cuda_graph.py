@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
+from specserve.runner.graph_tail import GraphTail, SampledTail, TailViews
 
 # Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
 # an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
@@ -85,21 +86,26 @@ class CudaGraphBackend:
 
 class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
-    device, so one copy moves them all: int64 ids | positions | slots | pending | draft_at |
-    shift | row_req [Tb each], then int32 query_lens [Bb] | cu_query_lens [Bb + 1] |
-    context_lens [Bb], then the int32 block tables of the step's real requests, compact [B, w]
-    (scattered into the [Bb, W] table on the device). pending, draft_at and shift are the
-    device-side inputs of overlap scheduling (device_feed.py), applied inside the graph."""
+    device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
+    for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
+    slots [Bb], float32 temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
+    positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
+    cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
+    requests, compact [B, w] (scattered into the [Bb, W] table on the device). pending,
+    draft_at and shift are the device-side inputs of overlap scheduling (device_feed.py),
+    applied inside the graph."""
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.i32_at = 8 * _I64_ARRAYS * rows
+        self.tail_f32_at = 8 * 3 * (rows + reqs)
+        self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
+        self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
         self.max_bytes = self.bt_at + 4 * reqs * width
 
     def split(self, buf, i64, i32):  # buf: uint8 np.ndarray or torch.Tensor -> typed views
         t, b = self.rows, self.reqs
-        a = buf[: self.i32_at].view(i64)
+        a = buf[self.fwd_at : self.i32_at].view(i64)
         c = buf[self.i32_at : self.bt_at].view(i32)
         return (
             *(a[i * t : (i + 1) * t] for i in range(_I64_ARRAYS)),
@@ -107,6 +113,13 @@ class _Layout:
             c[b : 2 * b + 1],
             c[2 * b + 1 :],
         )
+
+    def split_tail(self, buf, i64, f32) -> TailViews:
+        t, b = self.rows, self.reqs
+        a = buf[: self.tail_f32_at].view(i64)
+        temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
+        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(3))
+        return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
 
 
 @dataclass
@@ -123,8 +136,12 @@ class _Bucket:
     query_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
     cu_query_lens: torch.Tensor  # [Bb + 1] int32, flat (= T) after the real requests
     context_lens: torch.Tensor  # [Bb] int32, 0 for padding requests
+    tail_views: TailViews  # device views of the sampling tail's inputs (graph_tail.py)
     replay: Callable[[], None] | None = None
-    # With speculation (max_query_len > 1) a second graph for steps where no request verifies
+    tail: Callable[[], None] | None = None  # the sampling tail, run eagerly
+    tail_replay: Callable[[], None] | None = (
+        None  # ... and its graph (max_query_len > 1) a second graph for steps where no request verifies
+    )
     # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
     # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
     # speculative engine (the verify budget keeping no drafts at high load) costs what it costs
@@ -145,6 +162,11 @@ class BucketStep:
     num_reqs: int
     width: int  # w: block-table columns the real requests use
     packed: np.ndarray  # uint8, the bucket layout with [B, w] block tables
+    tail: bool = False  # its sampling runs in the bucket's tail (packed's front filled)
+
+    def tail_views(self) -> TailViews:
+        """Numpy views of packed's tail section (sampler_inputs.pack_tail fills them)."""
+        return self.bucket.layout.split_tail(self.packed, np.int64, np.float32)
 
 
 class DecodeGraphs:
@@ -162,6 +184,7 @@ class DecodeGraphs:
         next_tokens: torch.Tensor,  # [slots] int64, the runner's device-resident sampled tokens
         draft_ids: torch.Tensor,  # [(slots + 1) * k] int64, the draft slot pool's (flat)
         rejected: torch.Tensor,  # [slots + 1] int64, the draft slot pool's
+        tail: bool = False,  # capture each bucket's sampling tail too (graph_tail.py)
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.next_tokens = next_tokens
@@ -194,7 +217,16 @@ class DecodeGraphs:
         self._buckets = []
         for lay, t in zip(layouts, self.sizes):
             views = lay.split(self._dev, torch.int64, torch.int32)
-            self._buckets.append(_Bucket(lay, min(t, max_rows_per_seq), *views))
+            tail_views = lay.split_tail(self._dev, torch.int64, torch.float32)
+            self._buckets.append(_Bucket(lay, min(t, max_rows_per_seq), *views, tail_views))
+        self.tail: GraphTail | None = None
+        if tail:
+            self.tail = GraphTail(
+                model, self._hidden, next_tokens, self.sizes[-1], layouts[-1].reqs
+            )
+            for b in self._buckets:
+                b.tail = self.tail.function(b.tail_views, b.rows, b.layout.reqs, b.max_query_len)
+        self.num_tail_runs = 0
         self._keepalive: list[torch.Tensor] = []
 
     @property
@@ -217,6 +249,8 @@ class DecodeGraphs:
             b.replay = backend.capture(run)
             if self._has_decode_variant(b):
                 b.decode_replay = backend.capture(functools.partial(run, b, True))
+            if b.tail is not None:
+                b.tail_replay = backend.capture(b.tail)
         # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
         # keeping the old one alive keeps their reads valid (same values at these positions).
         table = getattr(getattr(self.model, "rotary", None), "_table", None)
@@ -235,6 +269,8 @@ class DecodeGraphs:
         b.query_lens.zero_()
         b.cu_query_lens.zero_()
         b.context_lens.zero_()
+        for x in b.tail_views:
+            x.zero_()
 
     def _has_decode_variant(self, b: _Bucket) -> bool:
         return b.max_query_len > 1 and b.rows <= self.max_num_seqs
@@ -309,17 +345,19 @@ class DecodeGraphs:
         return BucketStep(b, t, nreq, w, packed)
 
     @torch.inference_mode()
-    def run(self, step: BucketStep) -> torch.Tensor:  # [T, V] fp32
+    def run(self, step: BucketStep) -> torch.Tensor | SampledTail:
         """Copy the step into the static buffers, replay its bucket's graph (or run the bucket
-        eagerly) and return the logits of its T rows."""
+        eagerly) and return the logits of its T rows [T, V] fp32, or with step.tail its sampled
+        results on their way (the tail replayed behind the forward)."""
         b = step.bucket
         n = step.packed.nbytes
+        at = 0 if step.tail else b.layout.fwd_at  # the tail's inputs travel only when it runs
         host = self._host[self._turn]
         if self._copied is not None:
             # the copy of two steps ago read this buffer; it ran before the previous step did
             self._copied[self._turn].synchronize()
-        host.numpy()[:n] = step.packed
-        self._dev[:n].copy_(host[:n], non_blocking=True)
+        host.numpy()[at:n] = step.packed[at:]
+        self._dev[at:n].copy_(host[at:n], non_blocking=True)
         if self._copied is not None:
             self._copied[self._turn].record()
         self._turn ^= 1
@@ -337,5 +375,12 @@ class DecodeGraphs:
             hidden = self._hidden[: step.num_rows]
         else:
             self.num_eager_runs += 1
-            hidden = self._forward_bucket(b, decode)[: step.num_rows]
-        return self.model.compute_logits(hidden)
+            hidden = self._forward_bucket(b, decode)
+            if step.tail:  # the tail reads the graph's static output
+                self._hidden[: b.rows].copy_(hidden)
+            hidden = hidden[: step.num_rows]
+        if not step.tail:
+            return self.model.compute_logits(hidden)
+        self.num_tail_runs += 1
+        (b.tail_replay if self.use_graphs and b.tail_replay is not None else b.tail)()
+        return self.tail.readback(b.rows, b.layout.reqs, step.num_rows, step.num_reqs)

@@ -13,12 +13,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from specserve import env
 from specserve.engine.scheduler import StepBatch
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
+from specserve.runner.graph_tail import SampledTail
 from specserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, score_prompt_rows
 
 
@@ -51,6 +53,10 @@ def kv_bytes_per_block(
 
 
 class ModelRunner:
+    # decode/verify steps of the common shape sample inside the bucket's graph (graph_tail.py);
+    # tensor parallelism keeps its sampling eager (the lm_head there is every rank's work)
+    sample_tail = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -125,6 +131,7 @@ class ModelRunner:
             self.next_tokens,
             self.draft_ids,
             self.rejected,
+            tail=self.sample_tail and env.settings.graph_tail and env.settings.fused_verify,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
@@ -280,8 +287,9 @@ class ModelRunner:
         return StepInputs(t(ids), t(np.concatenate(pos)), ctx, t(lr), src, prompt, at, sh, rr)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor:
-        """Logits [total_q, V] of the verify layout's rows (float32)."""
+    def forward(self, inputs: StepInputs | BucketStep) -> torch.Tensor | SampledTail:
+        """Logits [total_q, V] of the verify layout's rows (float32); a bucket step whose
+        sampling runs in its graph's tail (inputs.tail) returns its results instead."""
         if isinstance(inputs, BucketStep):
             return self.graphs.run(inputs)
         ids = feed_ids(

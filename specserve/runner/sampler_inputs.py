@@ -79,6 +79,32 @@ def sampling_row(seq: Sequence) -> bytes:
     return row
 
 
+def _request_rows(seqs: Seq[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """(each request's packed sampling row, its output index: output tokens, pending ones
+    included (overlap), and drafts in flight)."""
+    rows = np.frombuffer(b"".join([sampling_row(s) for s in seqs]), dtype=_ROW_DTYPE)
+    n_out = np.fromiter(
+        (
+            len(s.token_ids) - len(s.prompt_token_ids) + s.num_pending + s.num_pending_drafts
+            for s in seqs
+        ),
+        dtype=np.int64,
+        count=len(seqs),
+    )
+    return rows, n_out
+
+
+def _draft_layout(drafts: Seq[list[int]], seqlens_q: list[int], t: int) -> tuple[np.ndarray, ...]:
+    """seqlens_q, ftp [R], row_to_req, local_step, draft ids [T] (each request's drafts, then
+    0 at its last row, which verifies nothing) of a step with drafts."""
+    sq = np.array(seqlens_q, dtype=np.int64)
+    ftp = np.cumsum(sq) - sq
+    req = np.repeat(np.arange(len(sq)), sq)
+    local = np.arange(t) - ftp[req]
+    draft_ids = np.fromiter((x for d in drafts for x in (*d, 0)), np.int64, count=t)
+    return sq, ftp, req, local, draft_ids
+
+
 class _Sections(NamedTuple):
     seqlens_q: torch.Tensor  # [R] int64
     ftp: torch.Tensor  # [R] int64
@@ -150,15 +176,7 @@ def build_inputs(
     t = sum(seqlens_q)
     lay = PackedInputs(r, t)
     buf, i64, i32, f32, is_verify = lay.host()
-    rows = np.frombuffer(b"".join([sampling_row(s) for s in seqs]), dtype=_ROW_DTYPE)
-    n_out = np.fromiter(
-        (
-            len(s.token_ids) - len(s.prompt_token_ids) + s.num_pending + s.num_pending_drafts
-            for s in seqs
-        ),
-        dtype=np.int64,
-        count=r,
-    )
+    rows, n_out = _request_rows(seqs)
     # int64: seqlens_q, ftp, slots | seed, counter, row_to_req, local_step, draft_ids
     i64[2 * r : 3 * r] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
     b = 3 * r  # start of the per-row sections
@@ -170,18 +188,13 @@ def build_inputs(
         per_row = rows
         i64[b + t : b + 2 * t] = n_out
     else:
-        sq = np.array(seqlens_q, dtype=np.int64)
+        sq, ftp, req, local, draft_ids = _draft_layout(drafts, seqlens_q, t)
         i64[:r] = sq
-        ftp = i64[r : 2 * r]
-        np.cumsum(sq, out=ftp)
-        ftp -= sq
-        req = np.repeat(np.arange(r), sq)
-        local = np.arange(t) - ftp[req]
+        i64[r : 2 * r] = ftp
         i64[b + 2 * t : b + 3 * t] = req
         i64[b + 3 * t : b + 4 * t] = local
         is_verify[:] = local != sq[req] - 1
-        # each request's drafts, then 0 at its last row (which verifies nothing)
-        i64[b + 4 * t :] = np.fromiter((x for d in drafts for x in (*d, 0)), np.int64, count=t)
+        i64[b + 4 * t :] = draft_ids
         per_row = rows[req]
         i64[b + t : b + 2 * t] = n_out[req] + local
     i64[b : b + t] = per_row["seed"]
@@ -210,3 +223,38 @@ def build_inputs(
         d.seqlens_q, d.ftp, d.row_to_req, d.local_step, d.is_verify, t, max(seqlens_q) - 1
     )
     return SamplerInputs(layout, st, d.draft_ids, d.slots, seqlens_q, any_flags & ~(PENALTIES - 1))
+
+
+# what only the eager sampler does: a request needing one of these keeps a step out of the tail
+_EAGER_ONLY = _TOP_K | _TOP_P | _MIN_P | PENALTIES | PROCESSING | MIN_TOKENS | GOLDEN | LOGPROBS
+
+
+def pack_tail(seqs: Seq[Sequence], drafts: Seq[list[int]], views) -> bool:
+    """Lay out a step's sampling inputs for its bucket's captured tail (runner/graph_tail.py:
+    views are numpy views of the bucket's host upload, padded to Tb rows / Bb requests). False,
+    with nothing of use written, when some request needs the eager sampler."""
+    rows, n_out = _request_rows(seqs)
+    if int(np.bitwise_or.reduce(rows["flags"])) & _EAGER_ONLY:
+        return False
+    r = len(seqs)
+    seqlens_q = [1 + len(d) for d in drafts]
+    t = sum(seqlens_q)
+    v = views
+    v.slots[:r] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
+    if t == r:  # no drafts: a row per request
+        v.seqlens_q[:r] = 1
+        v.ftp[:r] = np.arange(r)
+        per_row = rows
+        v.counter[:t] = n_out
+        v.draft[:t] = 0
+    else:
+        sq, ftp, req, local, draft_ids = _draft_layout(drafts, seqlens_q, t)
+        v.seqlens_q[:r], v.ftp[:r] = sq, ftp
+        per_row = rows[req]
+        v.counter[:t] = n_out[req] + local
+        v.draft[:t] = draft_ids
+    v.seed[:t] = per_row["seed"]
+    v.temperature[:t] = per_row["temperature"]
+    v.slots[r:], v.seqlens_q[r:], v.ftp[r:] = 0, 0, t
+    v.seed[t:], v.counter[t:], v.draft[t:], v.temperature[t:] = 0, 0, 0, 0.0
+    return True

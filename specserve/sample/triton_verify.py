@@ -207,15 +207,46 @@ def verify_triton(
     """The fused pass; callers go through `specserve.sample.verify.verify`, which checks
     `fusable` and the device first."""
     assert fusable(t, None), "top-k / top-p / min-p rows need the torch reference"
-    total_q, vocab = logits.shape
-    num_reqs = layout.seqlens_q.shape[0]
+    total_q = logits.shape[0]
     assert total_q == layout.total_q == draft_token_ids.shape[0], (logits.shape, layout.total_q)
+    return _launch(
+        logits, draft_token_ids, forced, t.temperature, t.seed, t.counter, layout.seqlens_q,
+        layout.ftp,
+    )  # fmt: skip
+
+
+def verify_padded(
+    logits: torch.Tensor,  # [Tb, V]
+    draft_token_ids: torch.Tensor,  # [Tb] int64
+    temperature: torch.Tensor,  # [Tb] float32
+    seed: torch.Tensor,  # [Tb] int64
+    counter: torch.Tensor,  # [Tb] int64
+    seqlens_q: torch.Tensor,  # [Bb] int64, 0 = padding request
+    ftp: torch.Tensor,  # [Bb] int64
+) -> VerifyResult:
+    """A CUDA graph bucket's verification (sample.verify.verify_padded): rows past the real ones
+    belong to no request, padding requests have no rows (the kernel accepts nothing for them)."""
+    return _launch(logits, draft_token_ids, None, temperature, seed, counter, seqlens_q, ftp)
+
+
+def _launch(
+    logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    forced: torch.Tensor | None,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    seqlens_q: torch.Tensor,
+    ftp: torch.Tensor,
+) -> VerifyResult:
+    total_q, vocab = logits.shape
+    num_reqs = seqlens_q.shape[0]
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
     verified = torch.empty(total_q, dtype=torch.int32, device=device)
     sampled = torch.empty(num_reqs, dtype=torch.int64, device=device)
-    num_accepted = torch.empty(num_reqs, dtype=layout.seqlens_q.dtype, device=device)
+    num_accepted = torch.empty(num_reqs, dtype=seqlens_q.dtype, device=device)
     final_rows = torch.empty(num_reqs, dtype=torch.int64, device=device)
     if num_reqs == 0:
         return VerifyResult(verified, sampled, num_accepted, final_rows)
@@ -224,14 +255,14 @@ def verify_triton(
     # Scratch partials; the race plane is written (and read) only for temperature > 0 rows.
     part_val = torch.empty((2, total_q, nc), dtype=torch.float32, device=device)
     part_idx = torch.empty((2, total_q, nc), dtype=torch.int32, device=device)
-    temp = t.temperature.to(torch.float32).contiguous()
+    temp = temperature.to(torch.float32).contiguous()
 
     def i64(x: torch.Tensor) -> torch.Tensor:  # a no-op for the int64 tensors callers pass
         return x.to(torch.int64).contiguous()
 
     if total_q > 0:  # a zero-sized grid is no launch at all
         _chunk_kernel[(total_q, nc)](
-            logits, temp, i64(t.seed), i64(t.counter), part_val, part_idx,
+            logits, temp, i64(seed), i64(counter), part_val, part_idx,
             logits.stride(0), total_q * nc,
             VOCAB=vocab, NC=nc, CHUNK=chunk, num_warps=8 if chunk >= 2048 else 4,
         )  # fmt: skip
@@ -239,7 +270,7 @@ def verify_triton(
     _verify_kernel[(num_reqs,)](
         part_val, part_idx,
         i64(draft_token_ids), i64(forced) if forced is not None else draft_token_ids, temp,
-        i64(layout.seqlens_q), i64(layout.ftp),
+        i64(seqlens_q), i64(ftp),
         verified, sampled, num_accepted, final_rows,
         total_q * nc,
         VOCAB=vocab, NC=nc, NC_POW2=nc_pow2, HAS_FORCED=forced is not None,

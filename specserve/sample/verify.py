@@ -146,3 +146,45 @@ def verify_reference(
             sampled = torch.where(forced[final_rows] >= 0, forced[final_rows], sampled)
     verified = torch.where(accepted, draft_token_ids, torch.full_like(draft_token_ids, -1))
     return VerifyResult(verified.to(torch.int32), sampled, num_accepted, final_rows)
+
+
+def verify_padded(
+    logits: torch.Tensor,  # [Tb, V] f32
+    draft_token_ids: torch.Tensor,  # [Tb] int64, the draft each verify row checks
+    temperature: torch.Tensor,  # [Tb] float32, 0 = greedy row
+    seed: torch.Tensor,  # [Tb] int64
+    counter: torch.Tensor,  # [Tb] int64
+    seqlens_q: torch.Tensor,  # [Bb] int64, 0 = a padding request (no rows)
+    ftp: torch.Tensor,  # [Bb] int64
+    max_query_len: int,  # the most rows a request has
+) -> VerifyResult:
+    """Verification of a CUDA graph bucket (runner/graph_tail.py): fixed shapes whatever the
+    step's rows T <= Tb and requests R <= Bb; rows past T belong to no request. Greedy or
+    temperature-only rows, one-hot drafts. A padding request accepts nothing; its token is not
+    read. The fused Triton pass on CUDA (no host sync: graph-capturable), the reference's
+    model-free branch on the CPU (the fake graph backend of the tests and host profiles)."""
+    if logits.is_cuda:
+        from specserve.sample import triton_verify
+
+        return triton_verify.verify_padded(
+            logits, draft_token_ids, temperature, seed, counter, seqlens_q, ftp
+        )
+    n, vocab = logits.shape
+    zeros = torch.zeros(n, dtype=torch.int32)
+    greedy = not bool((temperature > 0).any())  # CPU: a host read costs nothing
+    t = SamplingTensors(
+        temperature, zeros, torch.ones(n), zeros.float(), seed, counter,
+        all_greedy=greedy, any_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
+        max_top_k=0,
+    )  # fmt: skip
+    x = sample(target_probs(logits, t), t, SAMPLE_SALT)  # [Tb] each row's token
+    steps = torch.arange(max_query_len)  # [K]
+    rows = (ftp[:, None] + steps).clamp(max=n - 1)  # [Bb, K]
+    verifies = steps < seqlens_q[:, None] - 1  # [Bb, K] rows that check a draft
+    accept = verifies & (x[rows] == draft_token_ids[rows])
+    num_accepted = accept.long().cumprod(1).sum(1)  # [Bb] the accepted prefix
+    final_rows = (ftp + num_accepted).clamp(max=n - 1)
+    kept = steps < num_accepted[:, None]
+    verified = torch.full((n,), -1, dtype=torch.int64)
+    verified[rows[kept]] = draft_token_ids[rows[kept]]
+    return VerifyResult(verified.to(torch.int32), x[final_rows], num_accepted, final_rows)
