@@ -139,9 +139,8 @@ class _Bucket:
     tail_views: TailViews  # device views of the sampling tail's inputs (graph_tail.py)
     replay: Callable[[], None] | None = None
     tail: Callable[[], None] | None = None  # the sampling tail, run eagerly
-    tail_replay: Callable[[], None] | None = (
-        None  # ... and its graph (max_query_len > 1) a second graph for steps where no request verifies
-    )
+    tail_replay: Callable[[], None] | None = None  # ... and its graph
+    # With speculation (max_query_len > 1) a second graph for steps where no request verifies
     # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
     # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
     # speculative engine (the verify budget keeping no drafts at high load) costs what it costs
