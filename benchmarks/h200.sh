@@ -78,7 +78,7 @@ case ${1:-decode} in
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
-  steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5 (~3 min)
+  steps)  # what drafting adds to a step: off / off, sampling eager / golden k=5 (verify only) / EAGLE-3 k=5 (~4 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
     python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
   host)  # where a 135M step's time goes (host phases; wall vs device, kernels): off, golden, EAGLE-3
@@ -89,6 +89,8 @@ case ${1:-decode} in
         eagle3) C='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}' ;;
       esac
       $S bench host-profile --model dummy:smollm2-135m --batch-sizes 1,16 --dtype bfloat16 --overlap ${C:+--speculative-config "$C"} --json "$OUT/host_profile_${m}_smollm2.json"
+      # off with its sampling eager after the forward graph (runner/graph_tail.py off)
+      [ $m = off ] && SPECSERVE_GRAPH_TAIL=0 $S bench host-profile --model dummy:smollm2-135m --batch-sizes 1,16 --dtype bfloat16 --overlap --json "$OUT/host_profile_off_eager_sampler_smollm2.json"
       # wall against device time per step, and the kernels (graphs as served)
       python3 tools/profile_step.py --model dummy:smollm2-135m --batch 1 --graphs --dtype bfloat16 --top 25 ${C:+--speculative-config "$C"} --json "$OUT/profile_b1_${m}_smollm2.json"
     done ;;
