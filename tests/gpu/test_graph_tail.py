@@ -14,6 +14,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams, env
 from specserve.runner.cuda_graph import _Layout
@@ -132,3 +134,25 @@ def test_tail_emits_what_the_eager_sampler_does_cuda(
     assert _run(tail, _params(kind)) == want
     g = tail.engine.runner.graphs
     assert g.num_tail_runs > 0 and g.num_eager_runs == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 600), reqs=st.integers(1, 256), width=st.integers(1, 70))
+def test_layout_sections_are_disjoint_and_aligned(rows: int, reqs: int, width: int) -> None:
+    """The tail's inputs, the forward's and the block tables tile the bucket's upload without
+    overlap, each view aligned to its dtype and of its documented length."""
+    lay = _Layout(rows, reqs, width)
+    buf = np.zeros(lay.max_bytes, dtype=np.uint8)
+    base = buf.ctypes.data
+    spans = []
+    for v in (*lay.split_tail(buf, np.int64, np.float32), *lay.split(buf, np.int64, np.int32)):
+        start = v.ctypes.data - base
+        assert start % v.itemsize == 0
+        spans.append((start, start + v.nbytes))
+    spans.append((lay.bt_at, lay.max_bytes))  # the compact block tables
+    spans.sort()
+    assert spans[0][0] == 0 and spans[-1][1] == lay.max_bytes
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    tail = lay.split_tail(buf, np.int64, np.float32)
+    assert [len(x) for x in tail] == [rows] * 3 + [reqs] * 3 + [rows]
+    assert lay.fwd_at % 8 == 0 and tail.temperature.ctypes.data - base < lay.fwd_at
