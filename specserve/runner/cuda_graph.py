@@ -7,7 +7,10 @@ into static buffers, padded up to the bucket with rows that write no KV slot (sl
 to no request (padding requests have query_len 0), and the graph computes the model forward of
 all the bucket's rows up to the final norm; the lm_head then runs eagerly on the first T rows
 only (padding rows cost no vocab-wide GEMM, and no [Tmax, V] fp32 logits buffer stays
-allocated: 656 MB for 1280 rows of a 128k vocab). Other steps run eager.
+allocated). A step of the common shape samples in a second graph instead (graph_tail.py): its
+lm_head covers the bucket's Tb rows (a GEMV or small GEMM reads the weights once either way),
+so the shared graph pool holds [Tmax, V] fp32 logits (263 MB at 512 rows of a 128k
+vocabulary). Other steps run eager.
 
 The graph key is the number of rows, not requests x k: the layout is flat (DESIGN.md), so a
 bucket of 24 rows serves 24 decodes or 6 requests verifying 3 drafts alike.
