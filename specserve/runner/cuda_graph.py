@@ -8,7 +8,7 @@ to no request (padding requests have query_len 0), and the graph computes the mo
 all the bucket's rows up to the final norm; the lm_head then runs eagerly on the first T rows
 only (padding rows cost no vocab-wide GEMM, and no [Tmax, V] fp32 logits buffer stays
 allocated). A step of the common shape samples in a second graph instead (graph_tail.py): its
-lm_head covers the bucket's Tb rows (a GEMV or small GEMM reads the weights once either way),
+lm_head covers the bucket's Tb rows (at most 15 padding rows past T: little beside T rows),
 so the shared graph pool holds [Tmax, V] fp32 logits (263 MB at 512 rows of a 128k
 vocabulary). Other steps run eager.
 
