@@ -67,13 +67,15 @@ def packed_views(
     arrays: Sequence[tuple[Sequence | np.ndarray, torch.dtype]],
     move: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """The arrays packed into one uint8 buffer (each 8-byte aligned), `move`d, then viewed."""
+    """The arrays packed into one uint8 buffer, `move`d, then viewed. Each starts on a 16-byte
+    boundary: Triton specialises a kernel on its pointer arguments' 16-byte alignment, so views
+    whose alignment followed the arrays' lengths would compile a new variant mid-run."""
     nps = [np.ascontiguousarray(v, dtype=_NP[d]) for v, d in arrays]
     offsets, total = [], 0
     for a in nps:
         offsets.append(total)
-        total += -(-a.nbytes // 8) * 8
-    host = np.zeros(max(total, 8), dtype=np.uint8)
+        total += -(-a.nbytes // 16) * 16
+    host = np.zeros(max(total, 16), dtype=np.uint8)
     for a, o in zip(nps, offsets):
         host[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
     buf = move(torch.from_numpy(host))

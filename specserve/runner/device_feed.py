@@ -140,7 +140,7 @@ def drafted_and_advance(
         return kernels.drafted_and_advance(
             layout.seqlens_q, layout.ftp, draft_ids, layout.is_verify, feed.draft_at,
             pool.draft_conf.view(-1), feed.anchor_pos, feed.req_shift, num_accepted, slots,
-            pool.rejected, pool.seq_len, layout.max_drafts + 1,
+            pool.rejected, pool.seq_len, pool.k + 1,
         )  # fmt: skip
     count, conf = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
     return count, conf, advance_slots(layout, slots, num_accepted, feed, pool)

@@ -121,39 +121,54 @@ class _Sections(NamedTuple):
     is_verify: torch.Tensor  # [T] bool
 
 
+# Triton specialises a kernel on each pointer argument's 16-byte alignment (and compiles a new
+# variant, hundreds of milliseconds, the first time one is seen): every array starts on a
+# 16-byte boundary, so the verification's kernels see the same alignment whatever R and T are
+ALIGN = 16
+
+
+def _padded(n: int, itemsize: int) -> int:
+    """Items after n of this size up to the next ALIGN boundary."""
+    return -(n * itemsize) % ALIGN // itemsize
+
+
 class PackedInputs:
-    """One step's upload, by dtype (8-byte sections first, so every view is aligned): int64
-    seqlens_q, ftp, slots [R] and seed, counter, row_to_req, local_step, draft_ids [T]; int32
-    top_k [T]; float32 temperature, top_p, min_p [T]; bool is_verify [T]."""
+    """One step's upload, by dtype, every array 16-byte aligned (ALIGN): int64 seqlens_q, ftp,
+    slots [R] and seed, counter, row_to_req, local_step, draft_ids [T]; int32 top_k [T];
+    float32 temperature, top_p, min_p [T]; bool is_verify [T]. Each group is one run of
+    arrays and the padding after each: one split call views it (each view costs host time)."""
 
     def __init__(self, num_reqs: int, total_q: int) -> None:
         r, t = num_reqs, total_q
-        self.i64 = [r, r, r, t, t, t, t, t]
-        self.f32 = [t, t, t]
-        self.i32_at = 8 * (3 * r + 5 * t)
-        self.f32_at = self.i32_at + 4 * t
-        self.bool_at = self.f32_at + 12 * t
+        pr, pt, p4 = _padded(r, 8), _padded(t, 8), _padded(t, 4)
+        self.i64 = [r, pr, r, pr, r, pr, t, pt, t, pt, t, pt, t, pt, t, pt]
+        self.f32 = [t, p4, t, p4, t, p4]
+        self.i32_at = 8 * sum(self.i64)
+        self.f32_at = self.i32_at + 4 * (t + p4)
+        self.bool_at = self.f32_at + 4 * sum(self.f32)
         self.nbytes = self.bool_at + t
 
-    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(buffer, its int64, int32, float32 and bool parts) to fill."""
+    def host(self) -> tuple[np.ndarray, _Sections]:
+        """(buffer, numpy views of its arrays) to fill."""
         buf = np.empty(self.nbytes, dtype=np.uint8)
-        return (
-            buf,
-            buf[: self.i32_at].view(np.int64),
-            buf[self.i32_at : self.f32_at].view(np.int32),
-            buf[self.f32_at : self.bool_at].view(np.float32),
-            buf[self.bool_at :].view(np.bool_),
-        )
+        return buf, self._views(buf, np.int64, np.int32, np.float32, np.bool_)
 
     def device(self, buf: torch.Tensor) -> _Sections:
-        """The uploaded buffer's sections (views, two split calls: each view costs host time)."""
-        return _Sections(
-            *buf[: self.i32_at].view(torch.int64).split_with_sizes(self.i64),
-            buf[self.i32_at : self.f32_at].view(torch.int32),
-            *buf[self.f32_at : self.bool_at].view(torch.float32).split_with_sizes(self.f32),
-            buf[self.bool_at :].view(torch.bool),
-        )
+        """The uploaded buffer's arrays (views)."""
+        return self._views(buf, torch.int64, torch.int32, torch.float32, torch.bool)
+
+    def _views(self, buf, i64, i32, f32, b) -> _Sections:
+        t = self.i64[6]
+        a = _split(buf[: self.i32_at].view(i64), self.i64)
+        f = _split(buf[self.f32_at : self.bool_at].view(f32), self.f32)
+        k = buf[self.i32_at : self.i32_at + 4 * t].view(i32)
+        return _Sections(*a[::2], k, *f[::2], buf[self.bool_at :].view(b))
+
+
+def _split(x, sizes: list[int]) -> list:  # numpy or torch: consecutive pieces of these sizes
+    if isinstance(x, torch.Tensor):
+        return list(x.split_with_sizes(sizes))
+    return np.split(x, np.cumsum(sizes)[:-1])
 
 
 class SamplerInputs(NamedTuple):
@@ -175,31 +190,26 @@ def build_inputs(
     seqlens_q = [1 + len(d) for d in drafts]
     t = sum(seqlens_q)
     lay = PackedInputs(r, t)
-    buf, i64, i32, f32, is_verify = lay.host()
+    buf, v = lay.host()
     rows, n_out = _request_rows(seqs)
-    # int64: seqlens_q, ftp, slots | seed, counter, row_to_req, local_step, draft_ids
-    i64[2 * r : 3 * r] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
-    b = 3 * r  # start of the per-row sections
+    v.slots[:] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
     if t == r:  # no drafts: a row per request
-        i64[:r] = 1
-        i64[r : 2 * r] = i64[b + 2 * t : b + 3 * t] = np.arange(r)
-        i64[b + 3 * t :] = 0  # local_step, draft_ids
-        is_verify[:] = False
+        v.seqlens_q[:] = 1
+        v.ftp[:] = v.row_to_req[:] = np.arange(r)
+        v.local_step[:] = v.draft_ids[:] = 0
+        v.is_verify[:] = False
         per_row = rows
-        i64[b + t : b + 2 * t] = n_out
+        v.counter[:] = n_out
     else:
         sq, ftp, req, local, draft_ids = _draft_layout(drafts, seqlens_q, t)
-        i64[:r] = sq
-        i64[r : 2 * r] = ftp
-        i64[b + 2 * t : b + 3 * t] = req
-        i64[b + 3 * t : b + 4 * t] = local
-        is_verify[:] = local != sq[req] - 1
-        i64[b + 4 * t :] = draft_ids
+        v.seqlens_q[:], v.ftp[:], v.row_to_req[:], v.local_step[:] = sq, ftp, req, local
+        v.is_verify[:] = local != sq[req] - 1
+        v.draft_ids[:] = draft_ids
         per_row = rows[req]
-        i64[b + t : b + 2 * t] = n_out[req] + local
-    i64[b : b + t] = per_row["seed"]
-    i32[:] = per_row["top_k"]
-    f32[:t], f32[t : 2 * t], f32[2 * t :] = (
+        v.counter[:] = n_out[req] + local
+    v.seed[:] = per_row["seed"]
+    v.top_k[:] = per_row["top_k"]
+    v.temperature[:], v.top_p[:], v.min_p[:] = (
         per_row["temperature"], per_row["top_p"], per_row["min_p"]
     )  # fmt: skip
     d = lay.device(h2d(buf, torch.uint8, device))

@@ -18,7 +18,9 @@ import triton.language as tl
 _BLOCK = 128
 
 
-@triton.jit
+# T (rows) changes every step: not specialised on (== 1, divisible by 16), or a new variant
+# would compile inside a step
+@triton.jit(do_not_specialize=["T", "S", "W"])
 def _feed_kernel(
     counter_ptr,  # [T] int64, host output index of each row (upper bound)
     row_shift_ptr,  # [T] int64, slot whose rejected rows correct the row, 0 = none
@@ -29,8 +31,9 @@ def _feed_kernel(
     row_to_req_ptr,  # [T] int64 (GOLDEN)
     slots_ptr,  # [R] int64 (GOLDEN)
     gold_ptr,  # [(slots + 1) * W] int64 (GOLDEN)
-    out_ptr,  # [2 or 3, T] int64: counter, draft ids, golden token
+    out_ptr,  # [2 or 3, S] int64: counter, draft ids, golden token (rows of S >= T)
     T,
+    S,
     W,
     GOLDEN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -44,12 +47,12 @@ def _feed_kernel(
     pooled = tl.load(pool_draft_ptr + tl.maximum(at - 1, 0), mask=m & (at > 0), other=0)
     draft = tl.where(at > 0, pooled, tl.load(draft_in_ptr + r, mask=m, other=0))
     tl.store(out_ptr + r, counter, mask=m)
-    tl.store(out_ptr + T + r, draft, mask=m)
+    tl.store(out_ptr + S + r, draft, mask=m)
     if GOLDEN:
         slot = tl.load(slots_ptr + tl.load(row_to_req_ptr + r, mask=m, other=0), mask=m, other=0)
         col = tl.minimum(tl.maximum(counter, 0), W - 1)
         tok = tl.load(gold_ptr + slot * W + col, mask=m, other=-1)
-        tl.store(out_ptr + 2 * T + r, tl.where(counter < W, tok, -1), mask=m)
+        tl.store(out_ptr + 2 * S + r, tl.where(counter < W, tok, -1), mask=m)
 
 
 @triton.jit
@@ -93,7 +96,7 @@ def _advance_kernel(
     tl.store(len_out_ptr + i, new_len)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["W", "V"])
 def _golden_kernel(
     slots_ptr,  # [R] int64
     seq_len_ptr,  # [R] int64, each request's length after this step
@@ -136,15 +139,18 @@ def feed_rows(
     golden: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # row_to_req, slots, gold
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     t = counter.shape[0]
-    out = torch.empty((3 if golden else 2, t), dtype=torch.int64, device=counter.device)
+    # rows of an even length: out[1] and out[2] start 16-byte aligned whatever T is (the kernels
+    # reading them are specialised on their pointers' alignment)
+    out = torch.empty((3 if golden else 2, t + t % 2), dtype=torch.int64, device=counter.device)
     row_to_req, slots, gold = golden if golden else (counter, counter, counter)
     width = gold.shape[1] if golden else 1
     grid = (max(1, triton.cdiv(t, _BLOCK)),)
     _feed_kernel[grid](
         counter, row_shift, rejected, draft_at, pool_draft_ids, draft_ids,
-        row_to_req, slots, gold, out, t, width, GOLDEN=golden is not None, BLOCK=_BLOCK,
+        row_to_req, slots, gold, out, t, out.stride(0), width, GOLDEN=golden is not None,
+        BLOCK=_BLOCK,
     )  # fmt: skip
-    return out[0], out[1], out[2] if golden else None
+    return out[0, :t], out[1, :t], out[2, :t] if golden else None
 
 
 def drafted_and_advance(
@@ -160,18 +166,19 @@ def drafted_and_advance(
     slots: torch.Tensor,
     rejected: torch.Tensor,
     seq_len: torch.Tensor,
-    max_rows: int,  # the most rows a request has (k + 1)
+    max_rows: int,  # the most rows a request may have (k + 1: fixed, one compiled variant)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r, t = seqlens_q.shape[0], draft_ids.shape[0]
-    count = torch.empty(2 * r, dtype=torch.int64, device=seqlens_q.device)
+    half = r + r % 2  # the lengths start 16-byte aligned whatever R is
+    count = torch.empty(2 * half, dtype=torch.int64, device=seqlens_q.device)
     conf = torch.empty(t, dtype=torch.float32, device=seqlens_q.device)
     if r:
         _advance_kernel[(r,)](
             seqlens_q, ftp, draft_ids, is_verify, draft_at, pool_conf, anchor_pos, req_shift,
-            num_accepted, slots, rejected, seq_len, count, conf, count[r:],
+            num_accepted, slots, rejected, seq_len, count, conf, count[half:],
             BLOCK_Q=_pow2(max_rows),
         )  # fmt: skip
-    return count[:r], conf, count[r:]
+    return count[:r], conf, count[half : half + r]
 
 
 def golden_drafts(
