@@ -121,54 +121,51 @@ class _Sections(NamedTuple):
     is_verify: torch.Tensor  # [T] bool
 
 
-# Triton specialises a kernel on each pointer argument's 16-byte alignment (and compiles a new
-# variant, hundreds of milliseconds, the first time one is seen): every array starts on a
-# 16-byte boundary, so the verification's kernels see the same alignment whatever R and T are
-ALIGN = 16
-
-
-def _padded(n: int, itemsize: int) -> int:
-    """Items after n of this size up to the next ALIGN boundary."""
-    return -(n * itemsize) % ALIGN // itemsize
-
-
 class PackedInputs:
-    """One step's upload, by dtype, every array 16-byte aligned (ALIGN): int64 seqlens_q, ftp,
+    """One step's upload, by dtype, every array 16-byte aligned: int64 seqlens_q, ftp,
     slots [R] and seed, counter, row_to_req, local_step, draft_ids [T]; int32 top_k [T];
-    float32 temperature, top_p, min_p [T]; bool is_verify [T]. Each group is one run of
-    arrays and the padding after each: one split call views it (each view costs host time)."""
+    float32 temperature, top_p, min_p [T]; bool is_verify [T]. Each dtype's arrays are one run
+    of (array, padding) pieces: one split call views them all (each view costs host time).
+
+    Why aligned: Triton specialises a kernel on each pointer argument's 16-byte alignment and
+    compiles a new variant (hundreds of milliseconds) the first time one comes up; packed
+    back to back, the arrays' alignments followed the parities of R and T, and steps compiled
+    the verification's kernels anew mid-run."""
 
     def __init__(self, num_reqs: int, total_q: int) -> None:
         r, t = num_reqs, total_q
-        pr, pt, p4 = _padded(r, 8), _padded(t, 8), _padded(t, 4)
+        pr, pt, p4 = r & 1, t & 1, -t & 3  # int64 / float32 items up to a 16-byte boundary
+        self.t = t
         self.i64 = [r, pr, r, pr, r, pr, t, pt, t, pt, t, pt, t, pt, t, pt]
         self.f32 = [t, p4, t, p4, t, p4]
-        self.i32_at = 8 * sum(self.i64)
+        self.i32_at = 8 * (3 * (r + pr) + 5 * (t + pt))
         self.f32_at = self.i32_at + 4 * (t + p4)
-        self.bool_at = self.f32_at + 4 * sum(self.f32)
+        self.bool_at = self.f32_at + 12 * (t + p4)
         self.nbytes = self.bool_at + t
 
     def host(self) -> tuple[np.ndarray, _Sections]:
         """(buffer, numpy views of its arrays) to fill."""
         buf = np.empty(self.nbytes, dtype=np.uint8)
-        return buf, self._views(buf, np.int64, np.int32, np.float32, np.bool_)
+        a, f = buf[: self.i32_at].view(np.int64), buf[self.f32_at : self.bool_at].view(np.float32)
+        k = buf[self.i32_at : self.i32_at + 4 * self.t].view(np.int32)
+        return buf, _Sections(*_pieces(a, self.i64), k, *_pieces(f, self.f32),
+                              buf[self.bool_at :].view(np.bool_))  # fmt: skip
 
     def device(self, buf: torch.Tensor) -> _Sections:
-        """The uploaded buffer's arrays (views)."""
-        return self._views(buf, torch.int64, torch.int32, torch.float32, torch.bool)
-
-    def _views(self, buf, i64, i32, f32, b) -> _Sections:
-        t = self.i64[6]
-        a = _split(buf[: self.i32_at].view(i64), self.i64)
-        f = _split(buf[self.f32_at : self.bool_at].view(f32), self.f32)
-        k = buf[self.i32_at : self.i32_at + 4 * t].view(i32)
-        return _Sections(*a[::2], k, *f[::2], buf[self.bool_at :].view(b))
+        """The uploaded buffer's arrays (views: one split call per dtype)."""
+        a = buf[: self.i32_at].view(torch.int64).split_with_sizes(self.i64)
+        f = buf[self.f32_at : self.bool_at].view(torch.float32).split_with_sizes(self.f32)
+        k = buf[self.i32_at : self.i32_at + 4 * self.t].view(torch.int32)
+        return _Sections(*a[::2], k, *f[::2], buf[self.bool_at :].view(torch.bool))
 
 
-def _split(x, sizes: list[int]) -> list:  # numpy or torch: consecutive pieces of these sizes
-    if isinstance(x, torch.Tensor):
-        return list(x.split_with_sizes(sizes))
-    return np.split(x, np.cumsum(sizes)[:-1])
+def _pieces(x: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """The arrays of a run of (array, padding) pieces."""
+    out, at = [], 0
+    for i in range(0, len(sizes), 2):
+        out.append(x[at : at + sizes[i]])
+        at += sizes[i] + sizes[i + 1]
+    return out
 
 
 class SamplerInputs(NamedTuple):

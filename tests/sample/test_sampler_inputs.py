@@ -87,7 +87,7 @@ def test_packed_inputs_equal_the_per_tensor_build(reqs) -> None:
         }
         assert {flag: bool(needs & flag) for flag in expected} == expected
         # every array a kernel reads starts a multiple of 16 bytes into the buffer, whatever R
-        # and T: Triton compiles a variant per pointer alignment (sampler_inputs.ALIGN)
+        # and T: Triton compiles a variant per pointer alignment (PackedInputs)
         arrays = [*layout[:5], t.temperature, t.top_k, t.top_p, t.min_p, t.seed, t.counter]
         base = layout.seqlens_q.data_ptr()
         assert all((x.data_ptr() - base) % 16 == 0 for x in [*arrays, draft_ids, slots])
