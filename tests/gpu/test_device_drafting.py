@@ -135,3 +135,38 @@ def test_no_host_sync_inside_a_speculative_step(target, spec) -> None:
         torch.cuda.set_sync_debug_mode(0)
     assert steps > 10
     assert eng.ledger.spec.num_accepted_tokens > accepted  # steady-state speculative steps
+
+
+def _compiled_variants() -> int:
+    """Triton kernels compiled so far for the verification and the draft bookkeeping."""
+    from specserve.runner import triton_feed
+    from specserve.sample import triton_verify
+
+    kernels = [triton_verify._chunk_kernel, triton_verify._verify_kernel,
+               triton_feed._feed_kernel, triton_feed._advance_kernel, triton_feed._golden_kernel]  # fmt: skip
+    total = 0
+    for k in kernels:
+        caches = getattr(k, "device_caches", None)  # triton >= 3.2: device -> (cache, ...)
+        if caches is not None:
+            total += sum(len(c[0]) for c in caches.values())
+        else:
+            total += sum(len(c) for c in getattr(k, "cache", {}).values())
+    return total
+
+
+def test_no_triton_kernel_compiles_once_warm(target) -> None:
+    """A step whose request count or row count is new compiles nothing: Triton specialises on
+    ints (== 1, divisible by 16) and on pointers' 16-byte alignment, so every varying int is
+    unspecialised and every per-step array aligned. A variant compiled inside a step stalls
+    it for hundreds of milliseconds (and prices its bucket so in the step-cost curve)."""
+    llm = _llm(target, GOLDEN)
+    _run(llm)  # warm-up: every kernel's first variant
+    before = _compiled_variants()
+    rng = random.Random(3)
+    for n in (1, 2, 3, 5, 7, 8):  # request counts of each parity, rows of every residue
+        prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+        params = [SamplingParams(max_tokens=rng.randrange(5, 30), ignore_eos=True,
+                                 golden_token_ids=GOLD) for _ in range(n)]  # fmt: skip
+        llm.generate(prompts, params, use_tqdm=False)
+    assert _compiled_variants() == before
+    assert before > 0
