@@ -177,7 +177,8 @@ def verify_padded(
         all_greedy=greedy, any_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
         max_top_k=0,
     )  # fmt: skip
-    x = sample(target_probs(logits, t), t, SAMPLE_SALT)  # [Tb] each row's token
+    # [Tb] each row's token, as verify_reference takes it
+    x = cpu_fused.argmax(logits) if greedy else sample(target_probs(logits, t), t, SAMPLE_SALT)
     steps = torch.arange(max_query_len)  # [K]
     rows = (ftp[:, None] + steps).clamp(max=n - 1)  # [Bb, K]
     verifies = steps < seqlens_q[:, None] - 1  # [Bb, K] rows that check a draft
