@@ -3,10 +3,10 @@
 A bucket step's forward is one graph replay, a few microseconds of host time. What follows it
 eagerly (the lm_head, the sampler's upload, the verification's launches from Python, the
 next_tokens write, packing the results for the readback) costs the host several times that per
-step, and at a small model's batch 1 the host is what the step waits for. For a step of the
+step, and at a small model's batch 1 the host can be what the step waits for. For a step of the
 common shape the tail is captured too, one graph per bucket replayed right after the forward's:
 
-    logits [Tb, V] = lm_head(hidden [Tb])        (padding rows cost no more: a GEMV reads W once)
+    logits [Tb, V] = lm_head(hidden [Tb])        (at most 15 padding rows past the step's T)
     verification of every row (sample/verify.py: verify_padded)
     next_tokens[slots] = sampled                 (the next overlapped step reads them there)
     out = verified [Tb] | sampled [Bb] | num_accepted [Bb]     (int64, one static buffer)
