@@ -227,7 +227,7 @@ class DecodeGraphs:
                 model, self._hidden, next_tokens, self.sizes[-1], layouts[-1].reqs
             )
             for b in self._buckets:
-                b.tail = self.tail.function(b.tail_views, b.rows, b.layout.reqs, b.max_query_len)
+                b.tail = self.tail.function(b.tail_views, b.rows, b.layout.reqs)
         self.num_tail_runs = 0
         self._keepalive: list[torch.Tensor] = []
 

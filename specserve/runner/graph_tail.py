@@ -99,14 +99,14 @@ class GraphTail:
         self._owner: list[SampledTail | None] = [None, None]
         self._turn = 0
 
-    def function(self, views: TailViews, rows: int, reqs: int, max_query_len: int):
+    def function(self, views: TailViews, rows: int, reqs: int):
         """What a bucket of Tb = rows rows and Bb = reqs requests captures."""
 
         def tail() -> None:
             logits = self.model.compute_logits(self.hidden[:rows])  # [Tb, V] float32
             res = verify_padded(
                 logits, views.draft, views.temperature, views.seed, views.counter,
-                views.seqlens_q, views.ftp, max_query_len,
+                views.seqlens_q, views.ftp,
             )  # fmt: skip
             self.next_tokens.index_copy_(0, views.slots, res.sampled_token_ids)
             self.out[:rows].copy_(res.verified_token_ids)

@@ -79,11 +79,15 @@ def sampling_row(seq: Sequence) -> bytes:
     return row
 
 
-def _request_rows(seqs: Seq[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-    """(each request's packed sampling row, its output index: output tokens, pending ones
-    included (overlap), and drafts in flight)."""
-    rows = np.frombuffer(b"".join([sampling_row(s) for s in seqs]), dtype=_ROW_DTYPE)
-    n_out = np.fromiter(
+def _sampling_rows(seqs: Seq[Sequence]) -> np.ndarray:
+    """Each request's packed sampling row."""
+    return np.frombuffer(b"".join([sampling_row(s) for s in seqs]), dtype=_ROW_DTYPE)
+
+
+def _output_index(seqs: Seq[Sequence]) -> np.ndarray:
+    """Each request's output index: its output tokens, pending ones included (overlap), and
+    its drafts in flight."""
+    return np.fromiter(
         (
             len(s.token_ids) - len(s.prompt_token_ids) + s.num_pending + s.num_pending_drafts
             for s in seqs
@@ -91,7 +95,6 @@ def _request_rows(seqs: Seq[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         dtype=np.int64,
         count=len(seqs),
     )
-    return rows, n_out
 
 
 def _draft_layout(drafts: Seq[list[int]], seqlens_q: list[int], t: int) -> tuple[np.ndarray, ...]:
@@ -188,7 +191,7 @@ def build_inputs(
     t = sum(seqlens_q)
     lay = PackedInputs(r, t)
     buf, v = lay.host()
-    rows, n_out = _request_rows(seqs)
+    rows, n_out = _sampling_rows(seqs), _output_index(seqs)
     v.slots[:] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
     if t == r:  # no drafts: a row per request
         v.seqlens_q[:] = 1
@@ -240,9 +243,10 @@ def pack_tail(seqs: Seq[Sequence], drafts: Seq[list[int]], views) -> bool:
     """Lay out a step's sampling inputs for its bucket's captured tail (runner/graph_tail.py:
     views are numpy views of the bucket's host upload, padded to Tb rows / Bb requests). False,
     with nothing of use written, when some request needs the eager sampler."""
-    rows, n_out = _request_rows(seqs)
+    rows = _sampling_rows(seqs)
     if int(np.bitwise_or.reduce(rows["flags"])) & _EAGER_ONLY:
         return False
+    n_out = _output_index(seqs)
     r = len(seqs)
     seqlens_q = [1 + len(d) for d in drafts]
     t = sum(seqlens_q)

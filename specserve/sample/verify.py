@@ -25,7 +25,7 @@ from specserve.ops.sampling import (
     sample,
     target_probs,
 )
-from specserve.sample.layout import RowLayout
+from specserve.sample.layout import RowLayout, build_layout
 
 
 class VerifyResult(NamedTuple):
@@ -154,38 +154,40 @@ def verify_padded(
     temperature: torch.Tensor,  # [Tb] float32, 0 = greedy row
     seed: torch.Tensor,  # [Tb] int64
     counter: torch.Tensor,  # [Tb] int64
-    seqlens_q: torch.Tensor,  # [Bb] int64, 0 = a padding request (no rows)
+    seqlens_q: torch.Tensor,  # [Bb] int64: the real requests first, then 0 (padding, no rows)
     ftp: torch.Tensor,  # [Bb] int64
-    max_query_len: int,  # the most rows a request has
 ) -> VerifyResult:
     """Verification of a CUDA graph bucket (runner/graph_tail.py): fixed shapes whatever the
     step's rows T <= Tb and requests R <= Bb; rows past T belong to no request. Greedy or
     temperature-only rows, one-hot drafts. A padding request accepts nothing; its token is not
-    read. The fused Triton pass on CUDA (no host sync: graph-capturable), the reference's
-    model-free branch on the CPU (the fake graph backend of the tests and host profiles)."""
+    read. The fused Triton pass on CUDA (no host sync: graph-capturable); on the CPU (the fake
+    graph backend of the tests and host profiles) verify_reference over the real rows, padded."""
     if logits.is_cuda:
         from specserve.sample import triton_verify
 
         return triton_verify.verify_padded(
             logits, draft_token_ids, temperature, seed, counter, seqlens_q, ftp
         )
-    n, vocab = logits.shape
-    zeros = torch.zeros(n, dtype=torch.int32)
-    greedy = not bool((temperature > 0).any())  # CPU: a host read costs nothing
-    t = SamplingTensors(
-        temperature, zeros, torch.ones(n), zeros.float(), seed, counter,
+    n, bb = logits.shape[0], seqlens_q.shape[0]
+    r, t = int((seqlens_q > 0).sum()), int(seqlens_q.sum())  # CPU: host reads cost nothing
+    sq = seqlens_q[:r]
+    layout = build_layout(sq, t, int(sq.max()) - 1 if r else 0)
+    temp = temperature[:t]
+    zeros = torch.zeros(t, dtype=torch.int32)
+    greedy = not bool((temp > 0).any())
+    st = SamplingTensors(
+        temp, zeros, torch.ones(t), zeros.float(), seed[:t], counter[:t],
         all_greedy=greedy, any_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
         max_top_k=0,
     )  # fmt: skip
-    # [Tb] each row's token, as verify_reference takes it
-    x = cpu_fused.argmax(logits) if greedy else sample(target_probs(logits, t), t, SAMPLE_SALT)
-    steps = torch.arange(max_query_len)  # [K]
-    rows = (ftp[:, None] + steps).clamp(max=n - 1)  # [Bb, K]
-    verifies = steps < seqlens_q[:, None] - 1  # [Bb, K] rows that check a draft
-    accept = verifies & (x[rows] == draft_token_ids[rows])
-    num_accepted = accept.long().cumprod(1).sum(1)  # [Bb] the accepted prefix
-    final_rows = (ftp + num_accepted).clamp(max=n - 1)
-    kept = steps < num_accepted[:, None]
-    verified = torch.full((n,), -1, dtype=torch.int64)
-    verified[rows[kept]] = draft_token_ids[rows[kept]]
-    return VerifyResult(verified.to(torch.int32), x[final_rows], num_accepted, final_rows)
+    res = verify_reference(logits[:t], draft_token_ids[:t], None, st, layout)
+
+    def pad(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+        return torch.cat([x, x.new_full((size - x.shape[0],), fill)])
+
+    return VerifyResult(
+        pad(res.verified_token_ids, n, -1),
+        pad(res.sampled_token_ids, bb, 0),
+        pad(res.num_accepted, bb, 0),
+        pad(res.final_rows, bb, t),
+    )

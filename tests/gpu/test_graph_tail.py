@@ -109,7 +109,7 @@ def test_padded_verify_ignores_padding_rows_and_requests() -> None:
     ftp = torch.tensor([0, 3, 4] + [t] * 5)
     sq = torch.tensor(seqlens + [0] * 5)
     res = verify_padded(logits, draft, temp, torch.zeros(16, dtype=torch.int64),
-                        torch.zeros(16, dtype=torch.int64), sq, ftp, 4)  # fmt: skip
+                        torch.zeros(16, dtype=torch.int64), sq, ftp)  # fmt: skip
     assert res.num_accepted[:r].tolist() == [1, 0, 3]
     assert res.sampled_token_ids[:r].tolist() == [
         target[1].item(),
