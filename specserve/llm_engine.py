@@ -138,6 +138,10 @@ class LLMEngine:
                 self.forget(out.request_id)
         if not self.requests:
             self._last_readback = None  # idle until the next request: no step's period
+            if self._inflight is not None:
+                # a step launched for requests that have all finished since: a caller that
+                # stops stepping now reads it back only after its pause, which is no step's cost
+                self._inflight.timed = False
         if self.config.debug_invariants:
             self.check_invariants()
         return outputs
@@ -337,10 +341,10 @@ class LLMEngine:
         between its readback and the previous one, i.e. its device time plus the host work of a
         step that overlap does not hide (ledger, drafting, scheduling). The first step after
         the engine was idle has no such period: its launch-to-readback. Prompt chunks cost far
-        less per row: left out."""
+        less per row: left out. Nor is a step read back after the engine went idle (step())."""
         now = time.perf_counter()
         last, self._last_readback = self._last_readback, now
-        if launched.batch.is_decode_shaped:
+        if launched.timed and launched.batch.is_decode_shaped:
             start = last if last is not None else launched.t0
             self.budget.observe_step(launched.batch.num_rows, now - start)
 

@@ -72,6 +72,7 @@ class LaunchedStep:
     overlapped: bool = False
     deferred: _Deferred | None = None  # sampling to queue after the step in flight's ledger
     forward: Future | None = None  # CPU worker: its forward
+    timed: bool = True  # its readback period prices the step-cost curve (llm_engine._time_step)
 
 
 def settle(launched: LaunchedStep) -> None:

@@ -184,6 +184,7 @@ def test_overlap_flag_defaults(overlap):
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+GOLDEN_DEVICE = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": 0.8}
 
 
 def make_host_drafting_llm(**kw):
@@ -354,6 +355,31 @@ def test_idle_time_between_runs_is_no_step_s_cost():
     time.sleep(0.5)
     llm.generate([[7]], sp, use_tqdm=False)  # one prompt token: its first step is decode-shaped
     assert n and len(seen) > n and max(seen) < 0.5
+
+
+def test_a_step_left_in_flight_across_an_idle_pause_is_no_step_s_cost():
+    """A caller that stops stepping once every request has finished (a closed loop) leaves the
+    last overlapped step in flight; the next run reads it back after the pause. That readback's
+    period is the caller's pause, not a step's cost: it must not price its bucket (it did, at
+    ~0.47 s, in the GPU sweeps, where the other engines ran during the pause)."""
+    import time
+
+    gold = prompts_of([40], seed=5)[0]  # drafts the device may accept (or not) up to the end
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, golden_token_ids=gold)
+    llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=GOLDEN_DEVICE)
+    eng = llm.engine
+    seen = []
+    real = eng.budget.observe_step
+    eng.budget.observe_step = lambda rows, secs: seen.append(secs) or real(rows, secs)
+    left_in_flight = 0
+    for _ in range(3):
+        ids = {eng.add_request(p, sp).request_id for p in prompts_of([12, 7, 9])}
+        while ids:  # until every request has finished, then no further step()
+            ids -= {o.request_id for o in eng.step() if o.finished}
+        left_in_flight += eng._inflight is not None
+        time.sleep(0.4)
+    assert left_in_flight  # else this test tests nothing
+    assert seen and max(seen) < 0.4
 
 
 def test_no_overlap_flag_keeps_speculation_synchronous():
