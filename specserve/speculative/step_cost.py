@@ -124,18 +124,22 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     eng = engine
     dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     key = f"{eng.model_name}|{dev}|{eng.dtype}|{eng.kv_dtype}|{torch.get_num_threads()}|{buckets}"
-    key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep2"
+    key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep3"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
     key += f"|fused={env.settings.fused_ops}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
 def _synthetic_step(engine: LLMEngine, rows: int) -> float:
-    """Seconds of one forward + logits of `rows` decode/verify rows: one row per request up to
-    max_num_seqs requests, the rest spread over them as drafts, each request over SWEEP_CONTEXT
-    tokens in KV blocks of its own (so reads cost what real ones do, not one cached block)."""
+    """Seconds of one forward + logits of `rows` decode/verify rows laid out as the cheapest
+    verify step of that many rows: the fewest requests (1 + k rows each), each over
+    SWEEP_CONTEXT tokens in KV blocks of its own (so reads cost what real ones do, not one
+    cached block). Optimistic like the rest of the curve: a request costs attention over its
+    whole context, so more requests per row only cost more, which real steps then show; the
+    reverse (one request per row, as this sweep once did) priced a CPU step of 40 rows at 16
+    requests like one of 40 requests, too high to ever be chosen and corrected."""
     eng = engine
-    n_req = max(1, min(rows, eng.config.max_num_seqs))
+    n_req = max(1, min(-(-rows // (1 + eng.slot_pool.k)), eng.config.max_num_seqs))
     per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
     nb = (SWEEP_CONTEXT + max(per)) // eng.config.block_size + 1
     usable = max(1, eng.num_kv_blocks - 1)  # block 0 is the padding block

@@ -118,3 +118,28 @@ def test_the_start_up_sweep_is_cached(tmp_path, monkeypatch):
     n = len(calls)
     again = step_cost.startup_curve(eng, [1, 2, 4], tmp_path)
     assert len(calls) == n and again.points() == first.points()
+
+
+def test_the_start_up_sweep_prices_each_bucket_as_its_cheapest_verify_step(monkeypatch):
+    """Fewest requests for the rows (1 + k each): a request costs attention over its whole
+    context, so a price from more requests would be too high for the steps speculation runs,
+    and a price too high is never corrected (the chooser avoids the bucket)."""
+    from specserve.speculative import step_cost
+    from tests.engine.conftest import make_llm
+
+    k = 3
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    eng = make_llm(max_num_seqs=8, speculative_config=spec).engine
+    layouts = []
+    real = eng.runner.prepare_rows
+
+    def prepare_rows(rows, context_lens, tables, num_logits):
+        layouts.append([len(r) for r in rows])
+        return real(rows, context_lens, tables, num_logits)
+
+    monkeypatch.setattr(eng.runner, "prepare_rows", prepare_rows)
+    for rows in (1, 3, 4, 5, 9, 16, 32):
+        layouts.clear()
+        step_cost._synthetic_step(eng, rows)
+        (q,) = layouts
+        assert sum(q) == rows and max(q) <= 1 + k and len(q) == -(-rows // (1 + k))
