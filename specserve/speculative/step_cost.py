@@ -3,7 +3,9 @@
 A start-up sweep prices every graph bucket (one synthetic step each, cached per machine and model
 under $SPECSERVE_CACHE/step-cost); a bucket that has run SWEEP_REPS real steps is priced at the
 median of its last WINDOW (its first real step, a warm-up that may compile kernels, left out: one
-stalled step never sets a price); a monotone envelope then makes an unmeasured bucket cost at
+stalled step never sets a price), each divided by the machine's speed when it ran (the median
+ratio of recent real steps to their priced buckets), so prices measured minutes apart on a
+shared machine stay comparable (the choice depends on their ratios only); a monotone envelope then makes an unmeasured bucket cost at
 least every measured smaller one and no bucket more than a larger one (a step can be padded up).
 Optimistic on purpose: a price too low is chosen, run and corrected by the real steps. Between
 buckets: a step function where steps run padded (CUDA graphs), linear on the CPU; past the
@@ -43,6 +45,11 @@ class StepCostCurve:
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
+        # the machine's speed now, as seconds over the price, on steps of priced buckets: real
+        # steps are kept divided by it, so a bucket measured while the machine was slow keeps
+        # its price relative to the others once it is fast again (it may not be run again)
+        self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self.speed = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
         """A real decode/verify step of `rows` total rows took `seconds`."""
@@ -56,7 +63,11 @@ class StepCostCurve:
         if not self._warm[i]:
             self._warm[i] = True
             return
-        self._real[i].append(seconds)
+        if self._priced(i):
+            self._ratios.append(seconds / self._value[i])
+            if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
+                self.speed = statistics.median(self._ratios)
+        self._real[i].append(seconds / self.speed)
         if len(self._real[i]) >= SWEEP_REPS:
             self._value[i] = statistics.median(self._real[i])
             self._env = None
@@ -80,8 +91,8 @@ class StepCostCurve:
         return self._env
 
     def times(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds of a step of each number of total rows (int array)."""
-        env, bs = self.envelope(), self.buckets
+        """Seconds of a step of each number of total rows (int array), at the current speed."""
+        env, bs = self.envelope() * self.speed, self.buckets
         r = np.asarray(rows, dtype=np.float64)
         if self.padded:
             out = env[np.minimum(np.searchsorted(bs, rows), len(bs) - 1)]
@@ -94,7 +105,7 @@ class StepCostCurve:
 
     def points(self) -> list[tuple[int, float]]:
         """(bucket, price) pairs: the curve as the chooser sees it."""
-        return [(int(b), float(t)) for b, t in zip(self.buckets, self.envelope())]
+        return [(int(b), float(t) * self.speed) for b, t in zip(self.buckets, self.envelope())]
 
 
 def startup_curve(engine: LLMEngine, buckets: list[int], cache_root: Path | None) -> StepCostCurve:

@@ -143,3 +143,21 @@ def test_the_start_up_sweep_prices_each_bucket_as_its_cheapest_verify_step(monke
         step_cost._synthetic_step(eng, rows)
         (q,) = layouts
         assert sum(q) == rows and max(q) <= 1 + k and len(q) == -(-rows // (1 + k))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_machine_that_speeds_up_does_not_leave_draft_buckets_stale(padded):
+    """A shared machine drifts (one run 10-40 % off the next). The buckets the budget keeps
+    choosing are re-measured at the machine's new speed; the ones it explored earlier are not.
+    Were raw seconds compared, a machine twice as fast after the exploration would price a plain
+    step at its new speed and every draft bucket at its old one, and speculation would stop for
+    good. Prices are kept relative to the machine's current speed (learned from the buckets
+    in use), so the choice stays where the true curve puts it."""
+    surv = survivals(np.full((4, 6), 0.8))
+    shape = curve_of(BUCKETS, lambda r: 2.0 + 0.3 * r, padded)
+    best = VerifyBudget(shape, 64).choose(surv, 4).total
+    budget = VerifyBudget(curve_of(BUCKETS, lambda r: 2.0 + 0.3 * r, padded), 64)
+    for b in BUCKETS[2:]:  # slow phase: the buckets around the choice all measured at 2x
+        run_steps(budget.curve, b, lambda r: 2.0 * shape(r))
+    totals = _loop(budget, surv, lambda r: shape(r), 60)  # then the machine runs at 1x
+    assert totals[-10:] == [best] * 10
