@@ -5,8 +5,9 @@ under $SPECSERVE_CACHE/step-cost); a bucket that has run SWEEP_REPS real steps i
 median of its last WINDOW (its first real step, a warm-up that may compile kernels, left out: one
 stalled step never sets a price), each divided by the machine's speed when it ran (the median
 ratio of recent real steps to their priced buckets), so prices measured minutes apart on a
-shared machine stay comparable (the choice depends on their ratios only); a monotone envelope then makes an unmeasured bucket cost at
-least every measured smaller one and no bucket more than a larger one (a step can be padded up).
+shared machine stay comparable (the choice depends on their ratios only); a monotone envelope
+then makes an unmeasured bucket cost at least every measured smaller one and no bucket more
+than a larger one (a step can be padded up).
 Optimistic on purpose: a price too low is chosen, run and corrected by the real steps. Between
 buckets: a step function where steps run padded (CUDA graphs), linear on the CPU; past the
 largest bucket, proportional to rows. docs/verify_budget.md has the why.
@@ -146,9 +147,9 @@ def _synthetic_step(engine: LLMEngine, rows: int) -> float:
     verify step of that many rows: the fewest requests (1 + k rows each), each over
     SWEEP_CONTEXT tokens in KV blocks of its own (so reads cost what real ones do, not one
     cached block). Optimistic like the rest of the curve: a request costs attention over its
-    whole context, so more requests per row only cost more, which real steps then show; the
-    reverse (one request per row, as this sweep once did) priced a CPU step of 40 rows at 16
-    requests like one of 40 requests, too high to ever be chosen and corrected."""
+    whole context, so more requests per row only cost more, which real steps then show; one
+    request per row would price a CPU step of 40 rows at 16 requests like one of 40 requests,
+    too high to ever be chosen and corrected."""
     eng = engine
     n_req = max(1, min(-(-rows // (1 + eng.slot_pool.k)), eng.config.max_num_seqs))
     per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]
