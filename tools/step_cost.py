@@ -8,7 +8,8 @@ head makes come from `specserve bench spec-sweep`.
 
 Modes: off; off-eager-sampler (off with SPECSERVE_GRAPH_TAIL=0: the sampling after the forward
 graph runs eagerly, runner/graph_tail.py); golden (acceptance 0: k verify rows a step, the
-verification's cost); eagle3 (the head's catch-up and k - 1 chained steps on top). Engines are
+verification's cost, sampled and drafted in the graph's tail); golden-eager-sampler (the same
+with SPECSERVE_GRAPH_TAIL=0); eagle3 (the head's catch-up and k - 1 chained steps on top). Engines are
 built once and the repeats interleave the modes.
 """
 
@@ -65,11 +66,13 @@ def main() -> None:
         "off": None,
         "off-eager-sampler": None,
         "golden": {"method": "golden", "num_speculative_tokens": k, "acceptance_rate": 0.0, **off},
+        "golden-eager-sampler": None,
         "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": k, **off},
     }
     llms = {}
+    specs["golden-eager-sampler"] = specs["golden"]
     for m, s in specs.items():
-        with env.override(graph_tail=m != "off-eager-sampler"):
+        with env.override(graph_tail=not m.endswith("eager-sampler")):
             llms[m] = LLM(
                 model=args.model,
                 dtype="bfloat16",

@@ -74,6 +74,7 @@ class TPModelRunner(ModelRunner):
         capture: bool = True,
         progress: bool = True,
         backend: GraphBackend | None = None,
+        drafting: None = None,  # device drafting is off under TP
     ) -> None:
         # captures run the model (and its all-reduces) directly: every rank captures the same
         # buckets in the same order

@@ -108,16 +108,25 @@ class Launcher:
         admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
         hook, plan_args = None, {}
         if dd is not None and seqs:
-            hook, plan_args = self._device_drafting_step(batch, seqs, drafts)
+            plan_args = self._device_feed(batch)
         draft_q = eng.speculator.draft_q(seqs, drafts) if eng.speculator and seqs else None
         # the token each request sampled: the next overlapped step (or drafting step) reads it
         next_tokens = eng.runner.next_tokens if overlap or dd is not None else None
         defer = overlap and behind and reads_tokens_in_flight(seqs)
         worker = eng._worker if overlap else None
         # the common shape samples inside the bucket's graph, behind its forward (graph_tail.py)
-        if isinstance(inputs, BucketStep) and worker is None and seqs and eng.runner.graphs.tail:
-            host_only = dd is None and draft_q is None and not defer
-            inputs.tail = host_only and pack_tail(seqs, drafts, inputs.tail_views())
+        tail = eng.runner.graphs.tail if isinstance(inputs, BucketStep) else None
+        if tail is not None and worker is None and seqs and draft_q is None and not defer:
+            if dd is None:
+                inputs.tail = pack_tail(seqs, drafts, inputs.tail_views())
+            elif tail.drafting is not None:  # and its drafter's work inside it
+                feed = (plan_args["shifts"], plan_args["anchor_pos"])
+                if pack_tail(seqs, drafts, inputs.tail_views(), feed, tail.drafting.golden):
+                    inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
+                    if tail.drafting.before is not None:
+                        tail.drafting.before()
+        if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
+            hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])
         step = LaunchedStep(batch, seqs, t0, behind)
         logits: torch.Tensor | None = None  # inline (no worker): the forward's output
 
@@ -181,14 +190,12 @@ class Launcher:
                 s.num_pending_drafts += len(d)
         self.engine.timeline.end()
 
-    def _device_drafting_step(
-        self, batch: StepBatch, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> tuple:
-        """A device drafter's part of a step: the drafting hook that runs after its
-        verification, and the sampler plan's arguments (drafts read from the slot pool, rows
-        moved back by the rejections of the step in flight)."""
+    @staticmethod
+    def _device_feed(batch: StepBatch) -> dict:
+        """A device-drafted step's sampler plan arguments for its sampling requests: drafts
+        read from the slot pool, each anchor row's KV position as laid out, and whether the
+        rejections of the step in flight move the request's rows back."""
         kept = [i for i, sm in enumerate(batch.samples) if sm]
         anchors = [batch.starts[i] + batch.query_lens[i] - 1 - batch.num_drafts[i] for i in kept]
-        hook = self.engine.device_drafting.step_hook(seqs, anchors, [len(d) for d in drafts])
         shifts = [batch.shifts[i] for i in kept]
-        return hook, dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)
+        return dict(device_drafts=True, shifts=shifts, anchor_pos=anchors)

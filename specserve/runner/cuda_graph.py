@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
-from specserve.runner.graph_tail import GraphTail, SampledTail, TailViews
+from specserve.runner.graph_tail import GraphTail, SampledTail, TailDrafting, TailViews
 
 # Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
 # an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
@@ -91,7 +91,8 @@ class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
     device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
     for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
-    slots [Bb], float32 temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
+    slots | req_shift | anchor_pos [Bb] (the last two: device-drafted steps only), float32
+    temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
     positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
     cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
     requests, compact [B, w] (scattered into the [Bb, W] table on the device). pending,
@@ -100,7 +101,7 @@ class _Layout:
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.tail_f32_at = 8 * 3 * (rows + reqs)
+        self.tail_f32_at = 8 * (3 * rows + 5 * reqs)
         self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
         self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
@@ -121,7 +122,7 @@ class _Layout:
         t, b = self.rows, self.reqs
         a = buf[: self.tail_f32_at].view(i64)
         temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
-        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(3))
+        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(5))
         return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
 
 
@@ -143,6 +144,8 @@ class _Bucket:
     replay: Callable[[], None] | None = None
     tail: Callable[[], None] | None = None  # the sampling tail, run eagerly
     tail_replay: Callable[[], None] | None = None  # ... and its graph
+    drafted_tail: Callable[[], None] | None = None  # the tail of device-drafted steps
+    drafted_tail_replay: Callable[[], None] | None = None
     # With speculation (max_query_len > 1) a second graph for steps where no request verifies
     # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
     # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
@@ -165,6 +168,8 @@ class BucketStep:
     width: int  # w: block-table columns the real requests use
     packed: np.ndarray  # uint8, the bucket layout with [B, w] block tables
     tail: bool = False  # its sampling runs in the bucket's tail (packed's front filled)
+    # a device-drafted step sampling in the tail: its rows per request (graph_tail.py)
+    seqlens_q: list[int] | None = None
 
     def tail_views(self) -> TailViews:
         """Numpy views of packed's tail section (sampler_inputs.pack_tail fills them)."""
@@ -187,6 +192,7 @@ class DecodeGraphs:
         draft_ids: torch.Tensor,  # [(slots + 1) * k] int64, the draft slot pool's (flat)
         rejected: torch.Tensor,  # [slots + 1] int64, the draft slot pool's
         tail: bool = False,  # capture each bucket's sampling tail too (graph_tail.py)
+        drafting: TailDrafting | None = None,  # ... and one for device-drafted steps
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.next_tokens = next_tokens
@@ -224,11 +230,16 @@ class DecodeGraphs:
         self.tail: GraphTail | None = None
         if tail:
             self.tail = GraphTail(
-                model, self._hidden, next_tokens, self.sizes[-1], layouts[-1].reqs
+                model, self._hidden, next_tokens, self.sizes[-1], layouts[-1].reqs, drafting
             )
             for b in self._buckets:
                 b.tail = self.tail.function(b.tail_views, b.rows, b.layout.reqs)
+                if drafting is not None:
+                    b.drafted_tail = self.tail.drafted_function(
+                        b.tail_views, b.draft_at, b.shift, b.row_req, b.rows, b.layout.reqs
+                    )
         self.num_tail_runs = 0
+        self.num_drafted_tail_runs = 0  # of those, device-drafted steps
         self._keepalive: list[torch.Tensor] = []
 
     @property
@@ -253,6 +264,8 @@ class DecodeGraphs:
                 b.decode_replay = backend.capture(functools.partial(run, b, True))
             if b.tail is not None:
                 b.tail_replay = backend.capture(b.tail)
+            if b.drafted_tail is not None:
+                b.drafted_tail_replay = backend.capture(b.drafted_tail)
         # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
         # keeping the old one alive keeps their reads valid (same values at these positions).
         table = getattr(getattr(self.model, "rotary", None), "_table", None)
@@ -384,5 +397,12 @@ class DecodeGraphs:
         if not step.tail:
             return self.model.compute_logits(hidden)
         self.num_tail_runs += 1
-        (b.tail_replay if self.use_graphs and b.tail_replay is not None else b.tail)()
-        return self.tail.readback(b.rows, b.layout.reqs, step.num_rows, step.num_reqs)
+        if step.seqlens_q is None:
+            (b.tail_replay if self.use_graphs and b.tail_replay is not None else b.tail)()
+        else:
+            self.num_drafted_tail_runs += 1
+            graph = self.use_graphs and b.drafted_tail_replay is not None
+            (b.drafted_tail_replay if graph else b.drafted_tail)()
+        return self.tail.readback(
+            b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q
+        )

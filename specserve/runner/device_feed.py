@@ -175,6 +175,7 @@ def advance_slots(
     the new lengths [R] int64."""
     anchor = feed.anchor_pos - pool.rejected[feed.req_shift]
     seq_len = anchor + num_accepted + 2
-    pool.rejected.index_copy_(0, slots, layout.seqlens_q - 1 - num_accepted)
+    # a padding request of a graph's tail (no rows, slot 0) leaves slot 0's 0 as it is
+    pool.rejected.index_copy_(0, slots, (layout.seqlens_q - 1 - num_accepted).clamp_min(0))
     pool.seq_len.index_copy_(0, slots, seq_len)
     return seq_len

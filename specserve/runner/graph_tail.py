@@ -22,18 +22,38 @@ drafter, no draft-model q), its sampling not deferred. Every other step runs the
 
 Padding: rows T..Tb-1 belong to no request and requests R..Bb-1 own no row (seqlens_q 0: nothing
 accepted, a token nobody reads) with slot 0, whose next_tokens entry no row reads.
+
+Device-drafted steps (a drafter that gives a `TailDrafting`: golden, n-gram) take a second
+tail per bucket, the eager sampler's device-feed path captured whole (device_feed.py):
+
+    drafts and golden tokens read from the slot pool, output indices corrected by the
+        rejections of the step in flight                      (feed_verify_rows)
+    logits, verification, next_tokens                        (as above, golden tokens forced)
+    drafts verified, their confidences; the pool's lengths and rejections advanced
+                                                              (drafted_and_advance)
+    the drafter's drafts for the next step into the pool      (TailDrafting.draft)
+    out += drafts verified [Bb]; fout = their confidences [Tb] | the next drafts' [Bb, k]
+
+so a step with speculation on costs the host what a plain step does: a zero-draft step of a
+speculative engine no longer pays the eager sampler. The feed's per-row indices are the
+forward's (a verify row checks the draft fed at the row after it); its per-request ones travel
+in the tail section (req_shift, anchor_pos).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from specserve.engine.ledger import HostStepResult
+from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import designed_sync
-from specserve.sample.verify import verify_padded
+from specserve.runner.device_feed import DraftFeed, drafted_and_advance, feed_verify_rows
+from specserve.sample.layout import RowLayout
+from specserve.sample.verify import VerifyResult, verify_padded
 
 
 class TailViews(NamedTuple):
@@ -46,15 +66,45 @@ class TailViews(NamedTuple):
     seqlens_q: torch.Tensor | np.ndarray  # [Bb] int64, 0 for padding requests
     ftp: torch.Tensor | np.ndarray  # [Bb] int64
     slots: torch.Tensor | np.ndarray  # [Bb] int64, 0 for padding requests
+    # device-drafted steps (DraftFeed's per-request half; the per-row half is the forward's)
+    req_shift: torch.Tensor | np.ndarray  # [Bb] int64
+    anchor_pos: torch.Tensor | np.ndarray  # [Bb] int64
     temperature: torch.Tensor | np.ndarray  # [Tb] float32, 0 = greedy
 
 
-class SampledTail:
-    """A tail's results on their way to the host (the interface of step_sampler.SampledStep)."""
+class TailDrafting(NamedTuple):
+    """A device drafter whose work fits the tail: fixed shapes, its host input per step (if
+    any) copied into static buffers by `before`."""
 
-    def __init__(self, host: torch.Tensor, event, rows: int, reqs: int, t: int, r: int) -> None:
+    pool: DraftSlotPool
+    # (slots [Bb] int64, lengths after the step [Bb] int64, the step's layout, its
+    # verification): the next step's drafts and their confidences into the pool (padding
+    # requests: slot 0, no rows)
+    draft: Callable[[torch.Tensor, torch.Tensor, RowLayout, VerifyResult], None]
+    before: Callable[[], None] | None = None  # at launch, before the tail is queued
+    # golden tokens (teacher forcing) read from the pool's table, which existed at capture;
+    # else a step with a golden request samples eagerly
+    golden: bool = False
+
+
+class SampledTail:
+    """A tail's results on their way to the host (the interface of step_sampler.SampledStep).
+    seqlens_q: a device-drafted step's rows per request (its results carry the drafts)."""
+
+    def __init__(
+        self,
+        host: tuple[torch.Tensor, torch.Tensor],  # int64 and float32 pinned buffers
+        event,
+        rows: int,
+        reqs: int,
+        t: int,
+        r: int,
+        seqlens_q: list[int] | None = None,
+        k: int = 0,
+    ) -> None:
         self._buf, self._event = host, event
         self._at = (rows, reqs, t, r)
+        self._drafted = (seqlens_q, k)
         self._host: HostStepResult | None = None
 
     def wait(self) -> HostStepResult:
@@ -63,7 +113,17 @@ class SampledTail:
                 with designed_sync():
                     self._event.synchronize()
             rows, reqs, t, r = self._at
-            ints = self._buf[: rows + 2 * reqs].tolist()
+            seqlens_q, k = self._drafted
+            ints = self._buf[0][: rows + (3 if seqlens_q else 2) * reqs].tolist()
+            confs = real = nxt = None
+            if seqlens_q is not None:
+                real = ints[rows + 2 * reqs : rows + 2 * reqs + r]
+                floats = self._buf[1][: rows + reqs * k].tolist()
+                nxt = [floats[rows + i * k : rows + (i + 1) * k] for i in range(r)]
+                confs, at = [], 0
+                for n, sq in zip(real, seqlens_q):  # a request's real drafts come first
+                    confs.append(floats[at : at + n])
+                    at += sq
             self._host = HostStepResult(
                 ints[:t],
                 ints[rows : rows + r],
@@ -72,6 +132,9 @@ class SampledTail:
                 None,
                 None,
                 None,
+                confs,
+                real,
+                nxt,
             )
             self._buf = None  # the ring may hand the buffer on
         return self._host
@@ -87,15 +150,27 @@ class GraphTail:
         next_tokens: torch.Tensor,  # [slots] int64
         max_rows: int,
         max_reqs: int,
+        drafting: TailDrafting | None = None,
     ) -> None:
         self.model, self.hidden, self.next_tokens = model, hidden, next_tokens
+        self.drafting = drafting
         device = hidden.device
-        n = max_rows + 2 * max_reqs
+        k = drafting.pool.k if drafting is not None else 0
+        n, nf = max_rows + 3 * max_reqs, max_rows + max_reqs * k
         self.out = torch.zeros(n, dtype=torch.int64, device=device)
+        self.fout = torch.zeros(nf, dtype=torch.float32, device=device)
+        self._rows = torch.arange(max_rows, dtype=torch.int64, device=device)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         # two pinned buffers in turn: a step's readback lands in one while the host still reads
         # the other (overlap keeps one step in flight); a buffer's previous owner is read first
-        self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host = [
+            (
+                torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(nf, dtype=torch.float32, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
         self._owner: list[SampledTail | None] = [None, None]
         self._turn = 0
 
@@ -115,22 +190,74 @@ class GraphTail:
 
         return tail
 
-    def readback(self, rows: int, reqs: int, t: int, r: int) -> SampledTail:
-        """Queue the copy of the tail just replayed for a step of t rows and r requests."""
+    def drafted_function(
+        self,
+        views: TailViews,
+        fwd_draft_at: torch.Tensor,  # [Tb] int64, the forward's: pool index + 1 fed at the row
+        fwd_shift: torch.Tensor,  # [Tb] int64, the forward's
+        row_req: torch.Tensor,  # [Tb] int64, the forward's (0 on padding rows)
+        rows: int,
+        reqs: int,
+    ):
+        """What a bucket captures for device-drafted steps (module docstring)."""
+        drafting = self.drafting
+        pool, k, v = drafting.pool, drafting.pool.k, views
+        at_rows = self._rows[:rows]
+
+        def tail() -> None:
+            # verify row r checks the draft fed at row r + 1 (a request's last row checks none:
+            # the next row is another request's anchor, or padding, both fed no draft)
+            at = torch.cat([fwd_draft_at[1:], self._zero])  # [Tb]
+            feed = DraftFeed(at, fwd_shift, v.req_shift, v.anchor_pos)
+            gold = (row_req, v.slots) if drafting.golden else None
+            counter, draft, forced = feed_verify_rows(v.counter, v.draft, feed, pool, gold)
+            logits = self.model.compute_logits(self.hidden[:rows])  # [Tb, V] float32
+            res = verify_padded(
+                logits, draft, v.temperature, v.seed, counter, v.seqlens_q, v.ftp, forced
+            )
+            self.next_tokens.index_copy_(0, v.slots, res.sampled_token_ids)
+            local = at_rows - v.ftp[row_req]  # padding rows: past request 0's rows
+            layout = RowLayout(
+                v.seqlens_q, v.ftp, row_req, local, local < v.seqlens_q[row_req] - 1, rows, k
+            )
+            count, conf, seq_len = drafted_and_advance(
+                layout, v.slots, res.num_accepted, draft, feed, pool
+            )
+            drafting.draft(v.slots, seq_len, layout, res)
+            out = self.out
+            out[:rows].copy_(res.verified_token_ids)
+            out[rows : rows + reqs].copy_(res.sampled_token_ids)
+            out[rows + reqs : rows + 2 * reqs].copy_(res.num_accepted)
+            out[rows + 2 * reqs : rows + 3 * reqs].copy_(count)
+            self.fout[:rows].copy_(conf)
+            self.fout[rows : rows + reqs * k].copy_(pool.draft_conf[v.slots].view(-1))
+
+        return tail
+
+    def readback(
+        self, rows: int, reqs: int, t: int, r: int, seqlens_q: list[int] | None = None
+    ) -> SampledTail:
+        """Queue the copy of the tail just replayed for a step of t rows and r requests
+        (seqlens_q: a device-drafted step's rows per request)."""
         i = self._turn
         self._turn ^= 1
         owner = self._owner[i]
         if owner is not None:
             owner.wait()  # read before its buffer is reused (already done in a normal loop)
         host = self._host[i]
-        n = rows + 2 * reqs
+        k = self.drafting.pool.k if seqlens_q is not None else 0
+        n = rows + (3 if seqlens_q is not None else 2) * reqs
+        nf = rows + reqs * k if seqlens_q is not None else 0
         event = None
         if self.out.is_cuda:
-            host[:n].copy_(self.out[:n], non_blocking=True)
+            host[0][:n].copy_(self.out[:n], non_blocking=True)
+            if nf:
+                host[1][:nf].copy_(self.fout[:nf], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            host[:n].copy_(self.out[:n])
-        sampled = SampledTail(host, event, rows, reqs, t, r)
+            host[0][:n].copy_(self.out[:n])
+            host[1][:nf].copy_(self.fout[:nf])
+        sampled = SampledTail(host, event, rows, reqs, t, r, seqlens_q, k)
         self._owner[i] = sampled
         return sampled

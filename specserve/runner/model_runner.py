@@ -20,7 +20,7 @@ from specserve.ops.transfer import h2d
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
-from specserve.runner.graph_tail import SampledTail
+from specserve.runner.graph_tail import SampledTail, TailDrafting
 from specserve.runner.prompt_logprobs import PromptLogprobs, PromptRows, score_prompt_rows
 
 
@@ -111,6 +111,7 @@ class ModelRunner:
         capture: bool = True,
         progress: bool = True,
         backend: GraphBackend | None = None,
+        drafting: TailDrafting | None = None,  # a device drafter whose steps fit the tail
     ) -> None:
         """Route decode/verify steps through the bucket layout and (capture=True) capture one
         graph per bucket. capture=False (enforce_eager) keeps the layout but runs it eagerly, so
@@ -132,6 +133,7 @@ class ModelRunner:
             self.draft_ids,
             self.rejected,
             tail=self.sample_tail and env.settings.graph_tail and env.settings.fused_verify,
+            drafting=drafting,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)

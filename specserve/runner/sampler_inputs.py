@@ -239,12 +239,22 @@ def build_inputs(
 _EAGER_ONLY = _TOP_K | _TOP_P | _MIN_P | PENALTIES | PROCESSING | MIN_TOKENS | GOLDEN | LOGPROBS
 
 
-def pack_tail(seqs: Seq[Sequence], drafts: Seq[list[int]], views) -> bool:
+def pack_tail(
+    seqs: Seq[Sequence],
+    drafts: Seq[list[int]],
+    views,
+    feed: tuple[Seq[bool], Seq[int]] | None = None,
+    golden: bool = False,
+) -> bool:
     """Lay out a step's sampling inputs for its bucket's captured tail (runner/graph_tail.py:
     views are numpy views of the bucket's host upload, padded to Tb rows / Bb requests). False,
-    with nothing of use written, when some request needs the eager sampler."""
+    with nothing of use written, when some request needs the eager sampler.
+
+    feed (device-drafted steps: each request's shift flag and anchor KV position): drafts are
+    placeholders for the slot pool's; golden: golden tokens come from the pool's table."""
     rows = _sampling_rows(seqs)
-    if int(np.bitwise_or.reduce(rows["flags"])) & _EAGER_ONLY:
+    eager_only = _EAGER_ONLY & ~GOLDEN if golden else _EAGER_ONLY
+    if int(np.bitwise_or.reduce(rows["flags"])) & eager_only:
         return False
     n_out = _output_index(seqs)
     r = len(seqs)
@@ -268,4 +278,11 @@ def pack_tail(seqs: Seq[Sequence], drafts: Seq[list[int]], views) -> bool:
     v.temperature[:t] = per_row["temperature"]
     v.slots[r:], v.seqlens_q[r:], v.ftp[r:] = 0, 0, t
     v.seed[t:], v.counter[t:], v.draft[t:], v.temperature[t:] = 0, 0, 0, 0.0
+    if feed is not None:
+        shifts, anchors = feed
+        v.req_shift[:r] = np.fromiter(
+            (s.slot if sh else 0 for s, sh in zip(seqs, shifts)), dtype=np.int64, count=r
+        )
+        v.anchor_pos[:r] = anchors
+        v.req_shift[r:], v.anchor_pos[r:] = 0, 0
     return True

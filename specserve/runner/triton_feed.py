@@ -75,7 +75,8 @@ def _advance_kernel(
     BLOCK_Q: tl.constexpr,
 ):
     # One program per request: it reads and writes only its own slot (or slot 0, which every
-    # reader sees as 0 and a slotless request, verifying nothing, rewrites as 0), so no race.
+    # reader sees as 0 and a slotless or padding request, verifying nothing, rewrites as 0),
+    # so no race.
     i = tl.program_id(0)
     sq = tl.load(seqlens_ptr + i)
     rows = tl.load(ftp_ptr + i) + tl.arange(0, BLOCK_Q)
@@ -91,7 +92,7 @@ def _advance_kernel(
     anchor = tl.load(anchor_ptr + i) - tl.load(rejected_ptr + tl.load(req_shift_ptr + i))
     new_len = anchor + accepted + 2
     slot = tl.load(slots_ptr + i)
-    tl.store(rejected_ptr + slot, sq - 1 - accepted)
+    tl.store(rejected_ptr + slot, tl.maximum(sq - 1 - accepted, 0))  # padding: sq = 0
     tl.store(seq_len_ptr + slot, new_len)
     tl.store(len_out_ptr + i, new_len)
 

@@ -223,10 +223,11 @@ def verify_padded(
     counter: torch.Tensor,  # [Tb] int64
     seqlens_q: torch.Tensor,  # [Bb] int64, 0 = padding request
     ftp: torch.Tensor,  # [Bb] int64
+    forced: torch.Tensor | None = None,  # [Tb] int64 golden token per row, -1 = none
 ) -> VerifyResult:
     """A CUDA graph bucket's verification (sample.verify.verify_padded): rows past the real ones
     belong to no request, padding requests have no rows (the kernel accepts nothing for them)."""
-    return _launch(logits, draft_token_ids, None, temperature, seed, counter, seqlens_q, ftp)
+    return _launch(logits, draft_token_ids, forced, temperature, seed, counter, seqlens_q, ftp)
 
 
 def _launch(

@@ -156,6 +156,7 @@ def verify_padded(
     counter: torch.Tensor,  # [Tb] int64
     seqlens_q: torch.Tensor,  # [Bb] int64: the real requests first, then 0 (padding, no rows)
     ftp: torch.Tensor,  # [Bb] int64
+    forced: torch.Tensor | None = None,  # [Tb] int64 golden token per row, -1 = none
 ) -> VerifyResult:
     """Verification of a CUDA graph bucket (runner/graph_tail.py): fixed shapes whatever the
     step's rows T <= Tb and requests R <= Bb; rows past T belong to no request. Greedy or
@@ -166,7 +167,7 @@ def verify_padded(
         from specserve.sample import triton_verify
 
         return triton_verify.verify_padded(
-            logits, draft_token_ids, temperature, seed, counter, seqlens_q, ftp
+            logits, draft_token_ids, temperature, seed, counter, seqlens_q, ftp, forced
         )
     n, bb = logits.shape[0], seqlens_q.shape[0]
     r, t = int((seqlens_q > 0).sum()), int(seqlens_q.sum())  # CPU: host reads cost nothing
@@ -180,7 +181,8 @@ def verify_padded(
         all_greedy=greedy, any_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False,
         max_top_k=0,
     )  # fmt: skip
-    res = verify_reference(logits[:t], draft_token_ids[:t], None, st, layout)
+    gold = forced[:t] if forced is not None else None
+    res = verify_reference(logits[:t], draft_token_ids[:t], None, st, layout, gold)
 
     def pad(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:
         return torch.cat([x, x.new_full((size - x.shape[0],), fill)])

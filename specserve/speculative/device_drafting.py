@@ -32,6 +32,7 @@ from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import h2d
+from specserve.runner.graph_tail import TailDrafting
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
@@ -94,6 +95,31 @@ class DeviceDrafting:
             self.acceptance = AcceptanceEstimator()
         else:
             self.golden = GoldenDeviceDrafter(pool, spec.acceptance_rate, vocab_size, seed)
+            # its tables before any graph captures their addresses (tail_drafting)
+            self.golden.allocate(pool.ensure_gold(max_model_len))
+
+    def tail_drafting(self) -> TailDrafting | None:
+        """The drafter's work as a graph tail takes it (runner/graph_tail.py): golden, and
+        n-gram (its confidences copied to a static buffer at launch; the matcher scans every
+        slot's whole history, max_model_len tokens, as a graph's fixed shape must). The model
+        drafters' catch-up layouts come from the host: their steps sample eagerly."""
+        if self.golden is not None:
+            golden, prompt_len = self.golden, self.prompt_len
+            return TailDrafting(
+                self.pool,
+                lambda slots, seq_len, *_: golden.draft(slots, seq_len, prompt_len),
+                golden=True,
+            )
+        if self.ngram is None:
+            return None
+        ngram, conf = self.ngram, torch.ones(self.k, dtype=torch.float32, device=self.device)
+
+        def draft(slots, seq_len, layout, res) -> None:
+            ngram.append(slots, layout, res.verified_token_ids, res.sampled_token_ids,
+                         res.num_accepted, seq_len)  # fmt: skip
+            ngram.draft(slots, seq_len, conf, ngram.width)
+
+        return TailDrafting(self.pool, draft, lambda: conf.copy_(self._ngram_rates()))
 
     def capture(self, backend) -> None:
         """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
@@ -129,8 +155,7 @@ class DeviceDrafting:
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
-            rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
-            conf = h2d(rates, torch.float32, self.device)
+            conf = self._ngram_rates()
         if self.model_drafter is not None:
             lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)
 
@@ -154,6 +179,12 @@ class DeviceDrafting:
                 self.golden.draft(slots, seq_len, self.prompt_len)
 
         return hook
+
+    def _ngram_rates(self) -> torch.Tensor:
+        """[k] float32 on the device: n-gram's acceptance estimate per position, its
+        confidences."""
+        rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
+        return h2d(rates, torch.float32, self.device)
 
     def allot(self, ready: list[Sequence], budget: VerifyBudget, room: list[int]) -> list[int]:
         """The draft rows of each decode-ready request in the next step (room[i]: its most)."""

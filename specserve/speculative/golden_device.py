@@ -28,10 +28,14 @@ class GoldenDeviceDrafter:
         gold = seq.params.golden_token_ids or []
         return golden_coins(self.seed, self.rate, seq.prompt_token_ids, gold)
 
+    def allocate(self, gold: torch.Tensor) -> None:
+        """The coin table beside the pool's gold table [slots + 1, G]."""
+        self.coins = torch.zeros_like(gold, dtype=torch.bool)
+
     def admit(self, slot: int, coins: torch.Tensor) -> None:
         """coins [n] bool on the device (n <= the gold table's width)."""
         if self.coins is None or self.coins.shape[1] != self.pool.gold.shape[1]:
-            self.coins = torch.zeros_like(self.pool.gold, dtype=torch.bool)
+            self.allocate(self.pool.gold)
         self.coins[slot].zero_()
         self.coins[slot, : coins.shape[0]].copy_(coins)
 

@@ -9,6 +9,7 @@ by the steps of the common shape. `gpu`: the same on CUDA with real graphs (the 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -154,5 +155,104 @@ def test_layout_sections_are_disjoint_and_aligned(rows: int, reqs: int, width: i
     assert spans[0][0] == 0 and spans[-1][1] == lay.max_bytes
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     tail = lay.split_tail(buf, np.int64, np.float32)
-    assert [len(x) for x in tail] == [rows] * 3 + [reqs] * 3 + [rows]
+    assert [len(x) for x in tail] == [rows] * 3 + [reqs] * 5 + [rows]
     assert lay.fwd_at % 8 == 0 and tail.temperature.ctypes.data - base < lay.fwd_at
+
+
+GOLD = random.Random(0).choices(range(3, 49000), k=40)
+
+
+DEVICE_DRAFTERS = {
+    "golden": {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.7},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+}
+
+
+def _drafting_engine(method: str, graphs: str, device: str = "cpu") -> LLM:
+    """An engine drafting on the device with overlap: graphs "none", "tail" (device-drafted
+    steps sample in the tail) or "eager-sampler". On the CPU its forward runs inline (no worker
+    thread, as on CUDA) so its steps may take the bucket layout."""
+    # fixed k: the drafts verified do not depend on timings
+    spec = DEVICE_DRAFTERS[method] | {"verify_budget": "off"}
+    cuda = device == "cuda"
+    with env.override(graph_tail=graphs == "tail"):
+        llm = LLM("dummy:tiny", device=device, dtype="float32", speculative_config=spec,
+                  max_num_seqs=4, max_model_len=256, kv_cache_memory_gb=0.05, overlap=True,
+                  enforce_eager=not cuda, debug_invariants=True, progress=False)  # fmt: skip
+        eng = llm.engine
+        eng._worker = None  # the launcher runs the device part inline
+        if graphs != "none" and not cuda:
+            eng.runner.init_cuda_graphs(
+                4, 4, 256, progress=False, backend=FakeGraphs(),
+                drafting=eng.device_drafting.tail_drafting(),
+            )  # fmt: skip
+    return llm
+
+
+def _drafting_params(temperature: float) -> list[SamplingParams]:
+    """Golden ids on most requests (some past them, some without), a stop token inside them,
+    one min_tokens request (its steps sample eagerly), seeds for the sampled runs. (n-gram:
+    golden requests sample eagerly, the others in the tail.)"""
+    return [
+        SamplingParams(
+            temperature=temperature,
+            seed=i,
+            max_tokens=20 + 3 * i,
+            ignore_eos=True,
+            golden_token_ids=GOLD[: 12 + 6 * i] if i != 2 else None,
+            min_tokens=4 if i == 4 else 0,
+            stop_token_ids=[GOLD[25]] if i == 3 else None,
+        )  # fmt: skip
+        for i in range(6)
+    ]
+
+
+def _drafted_tail_matches_eager(method: str, device: str, temperature: float) -> None:
+    """Drafts written in the tail, read by the next overlapped step: the tokens, the drafts
+    verified and accepted per position, and the finish reasons of the eager sampler."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9, 30, 12)]
+    prompts.append([11, 12, 13, 14] * 6)  # repeats: n-gram drafts from the start
+    params = _drafting_params(temperature)
+    if method == "ngram":  # golden ids on the shortest request only: later steps take the tail
+        params = [params[0], *(dataclasses.replace(p, golden_token_ids=None) for p in params[1:])]
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    eager = _drafting_engine(method, "eager-sampler", device)
+    want = run(eager)
+    assert eager.engine.runner.graphs.num_drafted_tail_runs == 0
+    if device == "cpu":  # and the eager path's own layout
+        none = _drafting_engine(method, "none")
+        assert run(none) == want and none.engine.ledger.spec == eager.engine.ledger.spec
+    tail = _drafting_engine(method, "tail", device)
+    assert run(tail) == want
+    eng = tail.engine
+    g = eng.runner.graphs
+    assert g.num_drafted_tail_runs > 0 and g.num_verify_replays > 0
+    assert eng.num_sync_steps <= 1  # overlapped all along (only the first step)
+    assert eng.ledger.spec == eager.engine.ledger.spec
+    assert eng.ledger.spec.num_accepted_tokens > 0
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+    assert eng.slot_pool.rejected[0].item() == 0  # padding requests left slot 0 alone
+
+
+@pytest.mark.parametrize("method", list(DEVICE_DRAFTERS))
+@pytest.mark.parametrize("temperature", [0.0, 0.05])  # 0.05: n-gram drafts still match
+def test_device_drafted_steps_sample_in_the_tail_as_the_eager_sampler_does_cpu(
+    method: str, temperature: float
+) -> None:
+    _drafted_tail_matches_eager(method, "cpu", temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(DEVICE_DRAFTERS))
+@pytest.mark.parametrize("temperature", [0.0, 0.05])  # 0.05: n-gram drafts still match
+def test_device_drafted_steps_sample_in_the_tail_as_the_eager_sampler_does_cuda(
+    cuda: torch.device, method: str, temperature: float
+) -> None:
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    _drafted_tail_matches_eager(method, "cuda", temperature)
