@@ -16,7 +16,7 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_OPS | 1 | fused add+RMSNorm, rotary + KV write, silu-and-mul: Triton on CUDA, compiled C++ on the CPU (ops/cpu_fused.py, with the greedy argmax) |
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
-| SPECSERVE_GRAPH_TAIL | 1 | decode/verify steps of the common shape sample inside their bucket's CUDA graph, golden and n-gram device drafting included (runner/graph_tail.py; needs the fused verify) |
+| SPECSERVE_GRAPH_TAIL | 1 | decode/verify steps of the common shape sample inside their bucket's CUDA graph, golden device drafting included (runner/graph_tail.py; needs the fused verify) |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |

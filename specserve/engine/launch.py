@@ -123,8 +123,6 @@ class Launcher:
                 feed = (plan_args["shifts"], plan_args["anchor_pos"])
                 if pack_tail(seqs, drafts, inputs.tail_views(), feed, tail.drafting.golden):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
-                    if tail.drafting.before is not None:
-                        tail.drafting.before()
         if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
             hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])
         step = LaunchedStep(batch, seqs, t0, behind)

@@ -23,8 +23,8 @@ drafter, no draft-model q), its sampling not deferred. Every other step runs the
 Padding: rows T..Tb-1 belong to no request and requests R..Bb-1 own no row (seqlens_q 0: nothing
 accepted, a token nobody reads) with slot 0, whose next_tokens entry no row reads.
 
-Device-drafted steps (a drafter that gives a `TailDrafting`: golden, n-gram) take a second
-tail per bucket, the eager sampler's device-feed path captured whole (device_feed.py):
+Device-drafted steps (a drafter that gives a `TailDrafting`: golden) take a second tail per
+bucket, the eager sampler's device-feed path captured whole (device_feed.py):
 
     drafts and golden tokens read from the slot pool, output indices corrected by the
         rejections of the step in flight                      (feed_verify_rows)
@@ -53,7 +53,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import designed_sync
 from specserve.runner.device_feed import DraftFeed, drafted_and_advance, feed_verify_rows
 from specserve.sample.layout import RowLayout
-from specserve.sample.verify import VerifyResult, verify_padded
+from specserve.sample.verify import verify_padded
 
 
 class TailViews(NamedTuple):
@@ -73,15 +73,12 @@ class TailViews(NamedTuple):
 
 
 class TailDrafting(NamedTuple):
-    """A device drafter whose work fits the tail: fixed shapes, its host input per step (if
-    any) copied into static buffers by `before`."""
+    """A device drafter whose work fits the tail: fixed shapes, no host input per step."""
 
     pool: DraftSlotPool
-    # (slots [Bb] int64, lengths after the step [Bb] int64, the step's layout, its
-    # verification): the next step's drafts and their confidences into the pool (padding
-    # requests: slot 0, no rows)
-    draft: Callable[[torch.Tensor, torch.Tensor, RowLayout, VerifyResult], None]
-    before: Callable[[], None] | None = None  # at launch, before the tail is queued
+    # (slots [Bb] int64, lengths after the step [Bb] int64): the next step's drafts and their
+    # confidences into the pool (padding requests: slot 0)
+    draft: Callable[[torch.Tensor, torch.Tensor], None]
     # golden tokens (teacher forcing) read from the pool's table, which existed at capture;
     # else a step with a golden request samples eagerly
     golden: bool = False
@@ -223,7 +220,7 @@ class GraphTail:
             count, conf, seq_len = drafted_and_advance(
                 layout, v.slots, res.num_accepted, draft, feed, pool
             )
-            drafting.draft(v.slots, seq_len, layout, res)
+            drafting.draft(v.slots, seq_len)
             out = self.out
             out[:rows].copy_(res.verified_token_ids)
             out[rows : rows + reqs].copy_(res.sampled_token_ids)

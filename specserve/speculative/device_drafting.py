@@ -99,27 +99,17 @@ class DeviceDrafting:
             self.golden.allocate(pool.ensure_gold(max_model_len))
 
     def tail_drafting(self) -> TailDrafting | None:
-        """The drafter's work as a graph tail takes it (runner/graph_tail.py): golden, and
-        n-gram (its confidences copied to a static buffer at launch; the matcher scans every
-        slot's whole history, max_model_len tokens, as a graph's fixed shape must). The model
-        drafters' catch-up layouts come from the host: their steps sample eagerly."""
-        if self.golden is not None:
-            golden, prompt_len = self.golden, self.prompt_len
-            return TailDrafting(
-                self.pool,
-                lambda slots, seq_len, *_: golden.draft(slots, seq_len, prompt_len),
-                golden=True,
-            )
-        if self.ngram is None:
+        """The drafter's work as a graph tail takes it (runner/graph_tail.py): golden's, which
+        needs nothing from the host per step. The model drafters' catch-up layouts come from
+        the host; n-gram's matcher scans as much history as the step's longest request (a
+        graph would scan max_model_len tokens of every slot each step): their steps sample
+        eagerly."""
+        if self.golden is None:
             return None
-        ngram, conf = self.ngram, torch.ones(self.k, dtype=torch.float32, device=self.device)
-
-        def draft(slots, seq_len, layout, res) -> None:
-            ngram.append(slots, layout, res.verified_token_ids, res.sampled_token_ids,
-                         res.num_accepted, seq_len)  # fmt: skip
-            ngram.draft(slots, seq_len, conf, ngram.width)
-
-        return TailDrafting(self.pool, draft, lambda: conf.copy_(self._ngram_rates()))
+        golden, prompt_len = self.golden, self.prompt_len
+        return TailDrafting(
+            self.pool, lambda slots, seq_len: golden.draft(slots, seq_len, prompt_len), golden=True
+        )
 
     def capture(self, backend) -> None:
         """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
@@ -155,7 +145,8 @@ class DeviceDrafting:
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
-            conf = self._ngram_rates()
+            rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
+            conf = h2d(rates, torch.float32, self.device)
         if self.model_drafter is not None:
             lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)
 
@@ -179,12 +170,6 @@ class DeviceDrafting:
                 self.golden.draft(slots, seq_len, self.prompt_len)
 
         return hook
-
-    def _ngram_rates(self) -> torch.Tensor:
-        """[k] float32 on the device: n-gram's acceptance estimate per position, its
-        confidences."""
-        rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
-        return h2d(rates, torch.float32, self.device)
 
     def allot(self, ready: list[Sequence], budget: VerifyBudget, room: list[int]) -> list[int]:
         """The draft rows of each decode-ready request in the next step (room[i]: its most)."""

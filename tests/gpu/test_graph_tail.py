@@ -166,6 +166,7 @@ DEVICE_DRAFTERS = {
     "golden": {"method": "golden", "num_speculative_tokens": 3, "acceptance_rate": 0.7},
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
 }
+TAIL_DRAFTERS = ("golden",)  # n-gram's steps sample eagerly (DeviceDrafting.tail_drafting)
 
 
 def _drafting_engine(method: str, graphs: str, device: str = "cpu") -> LLM:
@@ -231,7 +232,7 @@ def _drafted_tail_matches_eager(method: str, device: str, temperature: float) ->
     assert run(tail) == want
     eng = tail.engine
     g = eng.runner.graphs
-    assert g.num_drafted_tail_runs > 0 and g.num_verify_replays > 0
+    assert (g.num_drafted_tail_runs > 0) == (method in TAIL_DRAFTERS) and g.num_verify_replays > 0
     assert eng.num_sync_steps <= 1  # overlapped all along (only the first step)
     assert eng.ledger.spec == eager.engine.ledger.spec
     assert eng.ledger.spec.num_accepted_tokens > 0
