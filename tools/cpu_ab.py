@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             gc.collect()
     base = variants[0]["name"]
-    report: dict[str, Any] = {"settings": vars(args), "variants": {}}
+    from specserve.bench.report import hardware_info
+
+    report: dict[str, Any] = {"settings": vars(args), "hardware": hardware_info(), "variants": {}}
     for v in variants:
         row: dict[str, Any] = {}
         for w in ("batch1", "batched"):
