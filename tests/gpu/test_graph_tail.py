@@ -5,6 +5,8 @@ graph backend (sample.verify.verify_padded's torch branch), against the same eng
 tail off (the eager sampler after the forward) and against no graphs at all: the same tokens,
 greedy and seeded temperature, with host drafts of n-gram speculation, and the tail taken only
 by the steps of the common shape. `gpu`: the same on CUDA with real graphs (the Triton pass).
+Device drafting (overlap, golden drafts written in the tail and read by the next step; n-gram's
+steps sample eagerly): the tokens and speculation counters of the eager sampler, CPU and CUDA.
 """
 
 from __future__ import annotations
