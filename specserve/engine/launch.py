@@ -121,7 +121,7 @@ class Launcher:
                 inputs.tail = pack_tail(seqs, drafts, inputs.tail_views())
             elif tail.drafting is not None:  # and its drafter's work inside it
                 feed = (plan_args["shifts"], plan_args["anchor_pos"])
-                if pack_tail(seqs, drafts, inputs.tail_views(), feed, tail.drafting.golden):
+                if pack_tail(seqs, drafts, inputs.tail_views(), feed):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
         if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
             hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])

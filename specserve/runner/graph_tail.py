@@ -79,9 +79,6 @@ class TailDrafting(NamedTuple):
     # (slots [Bb] int64, lengths after the step [Bb] int64): the next step's drafts and their
     # confidences into the pool (padding requests: slot 0)
     draft: Callable[[torch.Tensor, torch.Tensor], None]
-    # golden tokens (teacher forcing) read from the pool's table, which existed at capture;
-    # else a step with a golden request samples eagerly
-    golden: bool = False
 
 
 class SampledTail:
@@ -206,7 +203,8 @@ class GraphTail:
             # the next row is another request's anchor, or padding, both fed no draft)
             at = torch.cat([fwd_draft_at[1:], self._zero])  # [Tb]
             feed = DraftFeed(at, fwd_shift, v.req_shift, v.anchor_pos)
-            gold = (row_req, v.slots) if drafting.golden else None
+            # golden tokens from the pool's table (allocated before capture: tail_drafting)
+            gold = (row_req, v.slots)
             counter, draft, forced = feed_verify_rows(v.counter, v.draft, feed, pool, gold)
             logits = self.model.compute_logits(self.hidden[:rows])  # [Tb, V] float32
             res = verify_padded(

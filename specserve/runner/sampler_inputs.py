@@ -244,16 +244,15 @@ def pack_tail(
     drafts: Seq[list[int]],
     views,
     feed: tuple[Seq[bool], Seq[int]] | None = None,
-    golden: bool = False,
 ) -> bool:
     """Lay out a step's sampling inputs for its bucket's captured tail (runner/graph_tail.py:
     views are numpy views of the bucket's host upload, padded to Tb rows / Bb requests). False,
     with nothing of use written, when some request needs the eager sampler.
 
     feed (device-drafted steps: each request's shift flag and anchor KV position): drafts are
-    placeholders for the slot pool's; golden: golden tokens come from the pool's table."""
+    placeholders for the slot pool's, golden tokens come from the pool's table."""
     rows = _sampling_rows(seqs)
-    eager_only = _EAGER_ONLY & ~GOLDEN if golden else _EAGER_ONLY
+    eager_only = _EAGER_ONLY & ~GOLDEN if feed is not None else _EAGER_ONLY
     if int(np.bitwise_or.reduce(rows["flags"])) & eager_only:
         return False
     n_out = _output_index(seqs)

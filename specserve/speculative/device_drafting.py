@@ -108,7 +108,7 @@ class DeviceDrafting:
             return None
         golden, prompt_len = self.golden, self.prompt_len
         return TailDrafting(
-            self.pool, lambda slots, seq_len: golden.draft(slots, seq_len, prompt_len), golden=True
+            self.pool, lambda slots, seq_len: golden.draft(slots, seq_len, prompt_len)
         )
 
     def capture(self, backend) -> None:
