@@ -9,8 +9,10 @@ head makes come from `specserve bench spec-sweep`.
 Modes: off; off-eager-sampler (off with SPECSERVE_GRAPH_TAIL=0: the sampling after the forward
 graph runs eagerly, runner/graph_tail.py); golden (acceptance 0: k verify rows a step, the
 verification's cost, sampled and drafted in the graph's tail); golden-eager-sampler (the same
-with SPECSERVE_GRAPH_TAIL=0); eagle3 (the head's catch-up and k - 1 chained steps on top). Engines are
-built once and the repeats interleave the modes.
+with SPECSERVE_GRAPH_TAIL=0); eagle3 (the head's catch-up and k - 1 chained steps on top, its
+inputs written in the tail, its chain's graph behind it); eagle3-eager-sampler. Engines are
+built once and the repeats interleave the modes; `ratios` pairs each mode with its
+eager-sampler twin within each repeat (median and 90 % bootstrap interval).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     args = p.parse_args()
     from specserve import LLM, SamplingParams, env
     from specserve.bench.common import engine_kwargs
+    from specserve.bench.report import median_interval
 
     head = args.head
     if head == "random":
@@ -68,9 +71,11 @@ def main() -> None:
         "golden": {"method": "golden", "num_speculative_tokens": k, "acceptance_rate": 0.0, **off},
         "golden-eager-sampler": None,
         "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": k, **off},
+        "eagle3-eager-sampler": None,
     }
     llms = {}
     specs["golden-eager-sampler"] = specs["golden"]
+    specs["eagle3-eager-sampler"] = specs["eagle3"]
     for m, s in specs.items():
         with env.override(graph_tail=not m.endswith("eager-sampler")):
             llms[m] = LLM(
@@ -99,8 +104,17 @@ def main() -> None:
                 torch.cuda.synchronize()
                 runs[m].append(1e3 * (time.perf_counter() - t0) / (eng.num_steps - s0))
         med = {m: statistics.median(v) for m, v in runs.items()}
-        report["ms"][f"batch{b}"] = {"runs": runs, "median": med}
+        ratios = {
+            f"{m}/{m}-eager-sampler": median_interval(
+                [a / e for a, e in zip(runs[m], runs[f"{m}-eager-sampler"])]
+            )
+            for m in ("off", "golden", "eagle3")
+        }
+        report["ms"][f"batch{b}"] = {"runs": runs, "median": med, "ratios": ratios}
         print(f"batch {b}: " + ", ".join(f"{m} {v:.2f} ms" for m, v in med.items()), flush=True)
+        print(
+            "  " + ", ".join(f"{m} {r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]" for m, r in ratios.items())
+        )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1))
 

@@ -119,7 +119,7 @@ class Launcher:
         if tail is not None and worker is None and seqs and draft_q is None and not defer:
             if dd is None:
                 inputs.tail = pack_tail(seqs, drafts, inputs.tail_views())
-            elif tail.drafting is not None:  # and its drafter's work inside it
+            elif tail.drafting is not None and dd.tail_ready(seqs):  # and its drafter's work
                 feed = (plan_args["shifts"], plan_args["anchor_pos"])
                 if pack_tail(seqs, drafts, inputs.tail_views(), feed):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]

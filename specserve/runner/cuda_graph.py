@@ -91,7 +91,7 @@ class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
     device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
     for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
-    slots | req_shift | anchor_pos [Bb] (the last two: device-drafted steps only), float32
+    slots | req_shift | anchor_pos | num_blocks [Bb] (the last three: device-drafted steps), float32
     temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
     positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
     cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
@@ -101,7 +101,7 @@ class _Layout:
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.tail_f32_at = 8 * (3 * rows + 5 * reqs)
+        self.tail_f32_at = 8 * (3 * rows + 6 * reqs)
         self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
         self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
@@ -122,7 +122,7 @@ class _Layout:
         t, b = self.rows, self.reqs
         a = buf[: self.tail_f32_at].view(i64)
         temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
-        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(5))
+        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(6))
         return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
 
 
@@ -236,8 +236,9 @@ class DecodeGraphs:
                 b.tail = self.tail.function(b.tail_views, b.rows, b.layout.reqs)
                 if drafting is not None:
                     b.drafted_tail = self.tail.drafted_function(
-                        b.tail_views, b.draft_at, b.shift, b.row_req, b.rows, b.layout.reqs
-                    )
+                        b.tail_views, b.draft_at, b.shift, b.row_req,
+                        self._bt[: b.layout.reqs], b.rows, b.layout.reqs,
+                    )  # fmt: skip
         self.num_tail_runs = 0
         self.num_drafted_tail_runs = 0  # of those, device-drafted steps
         self._keepalive: list[torch.Tensor] = []
@@ -403,6 +404,7 @@ class DecodeGraphs:
             self.num_drafted_tail_runs += 1
             graph = self.use_graphs and b.drafted_tail_replay is not None
             (b.drafted_tail_replay if graph else b.drafted_tail)()
+            self.tail.after_drafted(b.tail_views, b.rows, step.num_reqs)
         return self.tail.readback(
             b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q
         )

@@ -23,8 +23,8 @@ drafter, no draft-model q), its sampling not deferred. Every other step runs the
 Padding: rows T..Tb-1 belong to no request and requests R..Bb-1 own no row (seqlens_q 0: nothing
 accepted, a token nobody reads) with slot 0, whose next_tokens entry no row reads.
 
-Device-drafted steps (a drafter that gives a `TailDrafting`: golden) take a second tail per
-bucket, the eager sampler's device-feed path captured whole (device_feed.py):
+Device-drafted steps (a drafter that gives a `TailDrafting`) take a second tail per bucket, the
+eager sampler's device-feed path captured whole (device_feed.py):
 
     drafts and golden tokens read from the slot pool, output indices corrected by the
         rejections of the step in flight                      (feed_verify_rows)
@@ -33,6 +33,13 @@ bucket, the eager sampler's device-feed path captured whole (device_feed.py):
                                                               (drafted_and_advance)
     the drafter's drafts for the next step into the pool      (TailDrafting.draft)
     out += drafts verified [Bb]; fout = their confidences [Tb] | the next drafts' [Bb, k]
+
+Golden drafts inside it. A model drafter (EAGLE-3 head, draft model) in a steady greedy step
+(speculative/device_drafting.py: tail_ready) has it write its chain's static inputs instead
+(draft_graphs.py: tail_inputs), then replays its chain's own graph behind it (TailDrafting.
+after), bucketed by the step's real requests: a forward bucket of Tb rows pads to Bb = min(Tb,
+max_num_seqs) requests, which at k + 1 rows a request is k + 1 times the real ones, and a head
+or draft-model forward over the padding would cost its share.
 
 so a step with speculation on costs the host what a plain step does: a zero-draft step of a
 speculative engine no longer pays the eager sampler. The feed's per-row indices are the
@@ -53,7 +60,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import designed_sync
 from specserve.runner.device_feed import DraftFeed, drafted_and_advance, feed_verify_rows
 from specserve.sample.layout import RowLayout
-from specserve.sample.verify import verify_padded
+from specserve.sample.verify import VerifyResult, verify_padded
 
 
 class TailViews(NamedTuple):
@@ -69,16 +76,31 @@ class TailViews(NamedTuple):
     # device-drafted steps (DraftFeed's per-request half; the per-row half is the forward's)
     req_shift: torch.Tensor | np.ndarray  # [Bb] int64
     anchor_pos: torch.Tensor | np.ndarray  # [Bb] int64
+    num_blocks: torch.Tensor | np.ndarray  # [Bb] int64, the request's blocks (0: padding)
     temperature: torch.Tensor | np.ndarray  # [Tb] float32, 0 = greedy
+
+
+class TailStep(NamedTuple):
+    """What a device-drafted tail hands its drafter, on the device, padded to the bucket."""
+
+    views: TailViews
+    row_req: torch.Tensor  # [Tb] int64
+    result: VerifyResult
+    seq_len: torch.Tensor  # [Bb] int64, lengths after the step
+    # [Bb, W] int32, the forward's: columns past a request's num_blocks hold stale blocks
+    block_tables: torch.Tensor
 
 
 class TailDrafting(NamedTuple):
     """A device drafter whose work fits the tail: fixed shapes, no host input per step."""
 
     pool: DraftSlotPool
-    # (slots [Bb] int64, lengths after the step [Bb] int64): the next step's drafts and their
-    # confidences into the pool (padding requests: slot 0)
-    draft: Callable[[torch.Tensor, torch.Tensor], None]
+    # inside the tail: the next step's drafts and their confidences into the pool (padding
+    # requests: slot 0), or (with `after`) the inputs of the drafter's own graph
+    draft: Callable[[TailStep], None]
+    # behind the tail's replay, given the step's requests r: the drafter's own graph (a model
+    # drafter's chain, bucketed by r rather than by the forward's Bb), writing the pool
+    after: Callable[[int], None] | None = None
 
 
 class SampledTail:
@@ -190,6 +212,7 @@ class GraphTail:
         fwd_draft_at: torch.Tensor,  # [Tb] int64, the forward's: pool index + 1 fed at the row
         fwd_shift: torch.Tensor,  # [Tb] int64, the forward's
         row_req: torch.Tensor,  # [Tb] int64, the forward's (0 on padding rows)
+        block_tables: torch.Tensor,  # [Bb, W] int32, the forward's
         rows: int,
         reqs: int,
     ):
@@ -218,16 +241,28 @@ class GraphTail:
             count, conf, seq_len = drafted_and_advance(
                 layout, v.slots, res.num_accepted, draft, feed, pool
             )
-            drafting.draft(v.slots, seq_len)
+            drafting.draft(TailStep(v, row_req, res, seq_len, block_tables))
             out = self.out
             out[:rows].copy_(res.verified_token_ids)
             out[rows : rows + reqs].copy_(res.sampled_token_ids)
             out[rows + reqs : rows + 2 * reqs].copy_(res.num_accepted)
             out[rows + 2 * reqs : rows + 3 * reqs].copy_(count)
             self.fout[:rows].copy_(conf)
-            self.fout[rows : rows + reqs * k].copy_(pool.draft_conf[v.slots].view(-1))
+            if drafting.after is None:  # else the drafts are yet to come (after_drafted)
+                self.fout[rows : rows + reqs * k].copy_(pool.draft_conf[v.slots].view(-1))
 
         return tail
+
+    def after_drafted(self, views: TailViews, rows: int, r: int) -> None:
+        """Behind a device-drafted tail of r requests: the drafter's own graph, if it has one,
+        and the confidences of the drafts it wrote into the readback."""
+        drafting = self.drafting
+        if drafting.after is None:
+            return
+        drafting.after(r)
+        pool, k = drafting.pool, drafting.pool.k
+        out = self.fout[rows : rows + r * k].view(r, k)
+        torch.index_select(pool.draft_conf, 0, views.slots[:r], out=out)
 
     def readback(
         self, rows: int, reqs: int, t: int, r: int, seqlens_q: list[int] | None = None

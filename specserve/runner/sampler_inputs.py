@@ -250,7 +250,9 @@ def pack_tail(
     with nothing of use written, when some request needs the eager sampler.
 
     feed (device-drafted steps: each request's shift flag and anchor KV position): drafts are
-    placeholders for the slot pool's, golden tokens come from the pool's table."""
+    placeholders for the slot pool's, golden tokens come from the pool's table; each request's
+    block count goes along (a model drafter's chain maps its positions past them to its trash
+    block)."""
     rows = _sampling_rows(seqs)
     eager_only = _EAGER_ONLY & ~GOLDEN if feed is not None else _EAGER_ONLY
     if int(np.bitwise_or.reduce(rows["flags"])) & eager_only:
@@ -283,5 +285,8 @@ def pack_tail(
             (s.slot if sh else 0 for s, sh in zip(seqs, shifts)), dtype=np.int64, count=r
         )
         v.anchor_pos[:r] = anchors
-        v.req_shift[r:], v.anchor_pos[r:] = 0, 0
+        v.num_blocks[:r] = np.fromiter(
+            (len(s.block_table.blocks) for s in seqs), dtype=np.int64, count=r
+        )
+        v.req_shift[r:], v.anchor_pos[r:], v.num_blocks[r:] = 0, 0, 0
     return True

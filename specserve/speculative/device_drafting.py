@@ -32,7 +32,7 @@ from specserve.engine.ledger import HostStepResult
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import h2d
-from specserve.runner.graph_tail import TailDrafting
+from specserve.runner.graph_tail import TailDrafting, TailStep
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
@@ -99,16 +99,40 @@ class DeviceDrafting:
             self.golden.allocate(pool.ensure_gold(max_model_len))
 
     def tail_drafting(self) -> TailDrafting | None:
-        """The drafter's work as a graph tail takes it (runner/graph_tail.py): golden's, which
-        needs nothing from the host per step. The model drafters' catch-up layouts come from
-        the host; n-gram's matcher scans as much history as the step's longest request (a
-        graph would scan max_model_len tokens of every slot each step): their steps sample
-        eagerly."""
-        if self.golden is None:
+        """The drafter's work as a graph tail takes it (runner/graph_tail.py). Golden's needs
+        nothing from the host per step. A model drafter's steady greedy step (every request
+        caught up, tail_ready) has the tail write its chain's inputs, then replays its chain's
+        graph for the step's real requests (its bucket by requests, not by the forward's
+        rows). n-gram's matcher scans as much history as the step's longest request (a graph
+        would scan max_model_len tokens of every slot each step): its steps sample eagerly."""
+        prompt_len = self.prompt_len
+        if self.golden is not None:
+            golden = self.golden
+            return TailDrafting(
+                self.pool, lambda st: golden.draft(st.views.slots, st.seq_len, prompt_len)
+            )
+        md = self.model_drafter
+        if md is None or not md.chain.buckets:  # CPU: the chain runs unpadded, eagerly
             return None
-        golden, prompt_len = self.golden, self.prompt_len
-        return TailDrafting(
-            self.pool, lambda slots, seq_len: golden.draft(slots, seq_len, prompt_len)
+
+        def inputs(st: TailStep) -> None:
+            md.chain.tail_inputs(st, st.seq_len - prompt_len[st.views.slots])
+
+        return TailDrafting(self.pool, inputs, lambda r: md.chain.replay_tail(r))
+
+    def tail_ready(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of these requests may draft in the graph tail (given the tail takes
+        its sampling, sampler_inputs.pack_tail): golden's always; a model drafter's when every
+        request is greedy (sampled drafts are verified against their q: the eager sampler's),
+        without golden ids, and caught up in its epoch (a fresh one catches up eagerly)."""
+        md = self.model_drafter
+        if md is None:
+            return True
+        return all(
+            s.params.greedy
+            and not s.params.golden_token_ids
+            and md.caught_up.get(s.request_id) == s.epoch
+            for s in seqs
         )
 
     def capture(self, backend) -> None:

@@ -35,6 +35,7 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.forward_context import ForwardContext
 from specserve.ops.sampling import SamplingTensors
 from specserve.ops.transfer import h2d
+from specserve.runner.graph_tail import TailStep
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import kv_slots, table_rows
@@ -110,6 +111,7 @@ class DraftGraphs:
         self.min_p = torch.zeros(n, **f32)
         self.seed = torch.zeros(n, **i64)
         self.reqs = torch.arange(n, **i64)
+        self.cols = torch.arange(width, **i64)
         self.ones = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu1 = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # steady catch-up: k + 1 rows per request
@@ -182,14 +184,57 @@ class DraftGraphs:
             self._pad(r, n)
 
     def _replay(self, r: int, t: SamplingTensors, name: str) -> None:
-        n = next((b for b in self.buckets if b >= r), r)
-        shape = sampling_shape(t)
+        self._replay_shape(r, sampling_shape(t), name, t.max_top_k)
+
+    def _replay_shape(self, r: int, shape: str, name: str, max_top_k: int = 0) -> None:
+        n = self._bucket(r)
         replay = self._replays.get((n, shape, name))
         if replay is not None:
             replay()
             self.num_replays += 1
         else:
-            self._bodies()[name](n, shape, t.max_top_k)
+            self._bodies()[name](n, shape, max_top_k)
+
+    def _bucket(self, r: int) -> int:
+        return next((b for b in self.buckets if b >= r), r)
+
+    # -- inside the target's graph tail (runner/graph_tail.py) ---------------------------------
+    def tail_inputs(self, st: TailStep, num_output: torch.Tensor) -> None:
+        """A greedy steady step's inputs, written by the target's tail (its bucket's Bb
+        requests, padding ones included, then padding up to the chain's bucket for Bb); the
+        chain's graph for the step's real requests runs behind it (replay_tail)."""
+        v, res = st.views, st.result
+        reqs, rows = v.slots.shape[0], v.seed.shape[0]
+        emitted = torch.where(
+            res.verified_token_ids >= 0,
+            res.verified_token_ids.to(torch.int64),
+            res.sampled_token_ids[st.row_req],
+        )  # [Tb], as settled() reads a step
+        self.emitted[:rows].copy_(emitted)
+        for dst, src in (
+            (self.accepted, res.num_accepted),
+            (self.num_rows, v.seqlens_q),
+            (self.first_row, v.ftp),
+            (self.seq_len, st.seq_len),
+            (self.num_output, num_output),
+            (self.slots, v.slots),
+        ):
+            dst[:reqs].copy_(src)
+        self.temperature[:reqs].zero_()
+        # the forward's tables hold stale blocks past a request's own: the trash block there
+        w = min(st.block_tables.shape[1], self.block_tables.shape[1])
+        own = self.cols[:w] < v.num_blocks.unsqueeze(1)  # [Bb, w]
+        tables = torch.where(own, st.block_tables[:, :w], self.trash)
+        self.block_tables[:reqs, :w].copy_(tables)
+        self.block_tables[:reqs, w:].fill_(self.trash)
+        n = self._bucket(reqs)
+        if n > reqs:
+            self._pad(reqs, n)
+
+    def replay_tail(self, r: int) -> None:
+        """Behind the tail that wrote its inputs: the steady catch-up and chain of r requests."""
+        self._replay_shape(r, "greedy", "steady")
+        self.num_steady += 1
 
     @torch.inference_mode()
     def run_steady(

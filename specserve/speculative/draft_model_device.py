@@ -61,7 +61,7 @@ class DraftModelDeviceDrafter:
 
         self.caches = [KVCache(zeros(), zeros()) for _ in range(num_layers)]
         drafter.runner.kv_caches = self.caches
-        self._caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
+        self.caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
         # block-table columns of every position a step touches (chain included), + the trash one
         self.width = -(-(max_model_len + pool.k + 2) // self.block_size) + 1
         self.chain = DraftModelChain(
@@ -78,13 +78,13 @@ class DraftModelDeviceDrafter:
         )
 
     def release(self, seq: Sequence) -> None:
-        self._caught_up.pop(seq.request_id, None)
+        self.caught_up.pop(seq.request_id, None)
 
     # -- host ---------------------------------------------------------------------------------
     def layout(
         self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
     ) -> CatchUp | SteadyRows:
-        fresh = mark_fresh(self._caught_up, seqs)
+        fresh = mark_fresh(self.caught_up, seqs)
         steady = self.chain.steady_rows(seqs, fresh)
         if steady is not None:
             return steady

@@ -57,7 +57,7 @@ class Eagle3DeviceDrafter:
         )
         drafter.runner.kv_caches[0] = self.cache
         self.device = pool.device
-        self._caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
+        self.caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
         # block-table columns of every position a step touches (chain included), + the trash one
         self.width = -(-(max_model_len + pool.k + 1) // self.block_size) + 1
         self.chain = Eagle3Chain(
@@ -82,7 +82,7 @@ class Eagle3DeviceDrafter:
         self.chain.capture(backend, table)
 
     def release(self, seq: Sequence) -> None:
-        self._caught_up.pop(seq.request_id, None)
+        self.caught_up.pop(seq.request_id, None)
 
     # -- host ---------------------------------------------------------------------------------
     def layout(
@@ -90,7 +90,7 @@ class Eagle3DeviceDrafter:
     ) -> CatchUp | SteadyRows:
         """Read from the requests at launch: the catch-up rows of each sampling request (a
         steady step under the chain's graphs: only their block tables)."""
-        fresh = mark_fresh(self._caught_up, seqs)
+        fresh = mark_fresh(self.caught_up, seqs)
         steady = self.chain.steady_rows(seqs, fresh)
         if steady is not None:
             return steady

@@ -145,3 +145,29 @@ def test_no_host_sync_inside_a_device_eagle3_step(target, prompts, ref, tmp_path
             eng.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_device_eagle3_steps_draft_in_the_graph_tail_as_eagerly(
+    target, prompts, ref, tmp_path, temperature
+):
+    """Steady greedy steps write the chain's inputs inside the target's graph tail and replay
+    the chain's graph behind it (runner/graph_tail.py): the outputs and the drafts verified and
+    accepted per position are those of the eager sampler's steps. Sampled steps keep the eager
+    sampler."""
+    ids = sorted(set(range(100, 140)) | {t for r in ref for t in r[:2]})
+    head = write_tiny_head(tmp_path / "random", target[1], ids, LAYERS, confidence=True)
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for tail in (True, False):
+        with env.override(graph_tail=tail):
+            llm = _llm(target[0], _spec(head, k=4, verify_budget="off"), device_drafts=True)
+        outs = _ids(llm.generate(prompts, sp, use_tqdm=False))
+        g = llm.engine.runner.graphs
+        assert (g.num_drafted_tail_runs > 0) == (tail and temperature == 0.0)
+        assert llm.engine.num_sync_steps == 0
+        runs[tail] = (outs, llm.engine.ledger.spec)
+    assert runs[True] == runs[False]
+    assert runs[True][1].num_draft_tokens > 0
+    if temperature == 0.0:
+        assert runs[True][0] == ref

@@ -69,3 +69,19 @@ class FakeGraphs:
             fn()
 
         return replay
+
+
+def on_buckets(llm, drafted: bool) -> None:
+    """Route an overlapped CPU engine's decode/verify steps through the bucket layout on fake
+    graphs, its forward inline (no worker thread) as on CUDA. drafted: device-drafted steps
+    sample and draft in the graph tail (runner/graph_tail.py); else no step samples there."""
+    from specserve import env
+
+    eng = llm.engine
+    eng._worker = None
+    dd = eng.device_drafting
+    with env.override(graph_tail=drafted):
+        eng.runner.init_cuda_graphs(
+            eng.config.max_num_seqs, 1 + dd.k, eng.max_model_len, progress=False,
+            backend=FakeGraphs(), drafting=dd.tail_drafting() if drafted else None,
+        )  # fmt: skip

@@ -293,6 +293,28 @@ def test_device_draft_model(temperature):
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
 
 
+def _draft_model_engine(tmp_path, draft: str, **kw) -> dict:
+    """make_llm's arguments: the target drafting for itself ("self") or a 1-layer model."""
+    from specserve.model.loader.dummy import PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["tiny"], num_hidden_layers=1)))
+    model = "self" if draft == "self" else f"dummy:{tmp_path}"
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    return dict(max_num_seqs=8, overlap=True, speculative_config=spec | {"verify_budget": "off"})
+
+
+def _padded_draft_model(llm):
+    """The draft model's steady chain padded to buckets, as on CUDA, captured on fake graphs."""
+    from specserve.speculative.draft_model_chain import DraftModelChain
+    from tests.speculative.fake_graphs import FakeGraphs
+
+    md = llm.engine.device_drafting.model_drafter
+    md.chain = DraftModelChain(md._logits, md.pool, md.width, md.block_size, md.trash, True)
+    fake = FakeGraphs()
+    md.capture(fake)
+    return md, fake
+
+
 @pytest.mark.parametrize("draft,temperature", [("self", 0.0), ("other", 0.0), ("other", 1.0)])
 def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
     tmp_path, draft, temperature
@@ -302,20 +324,11 @@ def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
     path drafts, to the token: the same outputs and the same draft and accept counts. The
     target drafting for itself must have every draft accepted (a wrong position or token
     anywhere would show as a rejection); another model gets some rejected."""
-    from specserve.model.loader.dummy import PRESETS
     from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
-    from specserve.speculative.draft_model_chain import DraftModelChain
-    from tests.speculative.fake_graphs import FakeGraphs
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["tiny"], num_hidden_layers=1)))
-    model = "self" if draft == "self" else f"dummy:{tmp_path}"
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    kw = dict(max_num_seqs=8, overlap=True, speculative_config=spec | {"verify_budget": "off"})
+    kw = _draft_model_engine(tmp_path, draft)
     eager, graphs = make_llm(**kw), make_llm(**kw)
-    md = graphs.engine.device_drafting.model_drafter
-    md.chain = DraftModelChain(md._logits, md.pool, md.width, md.block_size, md.trash, True)
-    fake = FakeGraphs()
-    md.capture(fake)
+    md, fake = _padded_draft_model(graphs)
     assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
     prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)
     sp = SamplingParams(temperature=temperature, seed=2, max_tokens=24, ignore_eos=True)
@@ -330,6 +343,33 @@ def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
         assert sb.num_accepted_tokens == sb.num_draft_tokens > 0
     else:
         assert 0 < sb.num_accepted_tokens < sb.num_draft_tokens
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_steady_greedy_draft_model_steps_draft_in_the_graph_tail(tmp_path, draft):
+    """runner/graph_tail.py: a steady greedy step writes the draft model's chain inputs inside
+    the target's tail and replays the chain behind it; outputs and drafts accepted per position
+    are the eager sampler's (the target drafting for itself has every draft accepted: a wrong
+    position or token anywhere shows as a rejection)."""
+    from tests.speculative.fake_graphs import on_buckets
+
+    prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for drafted in (False, True):
+        llm = make_llm(**_draft_model_engine(tmp_path, draft), enforce_eager=True)
+        _padded_draft_model(llm)
+        on_buckets(llm, drafted)
+        runs.append((_run(llm, prompts, sp), llm.engine.ledger.spec))
+        g = llm.engine.runner.graphs
+        assert (g.num_drafted_tail_runs > g.num_verify_replays / 2) == drafted
+        assert llm.engine.num_sync_steps == 0
+    assert runs[0] == runs[1]
+    spec = runs[1][1]
+    if draft == "self":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
+    else:
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
 
 def _budgeted(rate: float, cost, k: int = 4):

@@ -44,3 +44,44 @@ def test_a_coarser_sampling_shape_gives_the_same_probabilities(rows, seed):
     for coarser in list(_SHAPES)[list(_SHAPES).index(shape) :]:
         got = target_probs(logits, dataclasses.replace(t, **_SHAPES[coarser]))
         assert torch.equal(got, want), coarser
+
+
+def test_the_tail_writes_a_steady_steps_inputs_with_trash_past_each_requests_blocks():
+    """DraftGraphs.tail_inputs (runner/graph_tail.py hands it the step, padded to the forward's
+    bucket): the token each verify row emitted (its accepted draft, else its request's sampled
+    token), the per-request state, block tables whose columns past a request's own blocks (the
+    forward's stale ones) are the trash block, and padding up to the chain's bucket."""
+    from specserve.engine.slots import DraftSlotPool
+    from specserve.runner.graph_tail import TailStep, TailViews
+    from specserve.sample.verify import VerifyResult
+    from specserve.speculative.draft_graphs import DraftGraphs
+
+    trash, i64 = 99, dict(dtype=torch.int64)
+    g = DraftGraphs(DraftSlotPool(8, 3, 50, False, torch.device("cpu")), 6, 4, trash, True)
+    g.seq_len.fill_(7)  # an earlier step's: the padding must overwrite it
+    g.slots.fill_(3)
+    t = lambda *x: torch.tensor(x, **i64)  # noqa: E731
+    # Bb = 3 requests (the third padding), Tb = 8 rows: requests of 3 and 4 rows, 1 padding row
+    views = TailViews(
+        seed=torch.zeros(8, **i64), counter=torch.zeros(8, **i64), draft=torch.zeros(8, **i64),
+        seqlens_q=t(3, 4, 0), ftp=t(0, 3, 7), slots=t(5, 2, 0), req_shift=t(0, 0, 0),
+        anchor_pos=t(10, 20, 0), num_blocks=t(2, 3, 0), temperature=torch.zeros(8),
+    )  # fmt: skip
+    res = VerifyResult(
+        verified_token_ids=torch.tensor([11, -1, -1, 21, 22, 23, -1, -1], dtype=torch.int32),
+        sampled_token_ids=t(15, 25, 0), num_accepted=t(1, 3, 0), final_rows=t(1, 6, 7),
+    )  # fmt: skip
+    stale = torch.full((3, 6), 7, dtype=torch.int32)
+    stale[0, :2], stale[1, :3] = t(4, 5), t(1, 2, 3)
+    row_req = t(0, 0, 0, 1, 1, 1, 1, 0)
+    g.tail_inputs(TailStep(views, row_req, res, t(12, 24, 2), stale), t(2, 4, 0))
+    assert g.emitted[:7].tolist() == [11, 15, 15, 21, 22, 23, 25]
+    assert g.block_tables[:4].tolist() == [
+        [4, 5, trash, trash, trash, trash],
+        [1, 2, 3, trash, trash, trash],
+        [trash] * 6,
+        [trash] * 6,  # the chain's bucket for 3 requests is 4: one more padding request
+    ]
+    assert g.seq_len[:4].tolist() == [12, 24, 2, 2] and g.slots[:4].tolist() == [5, 2, 0, 0]
+    assert g.accepted[:4].tolist() == [1, 3, 0, 0] and g.num_rows[:4].tolist() == [3, 4, 0, 0]
+    assert g.first_row[:3].tolist() == [0, 3, 7] and g.num_output[:3].tolist() == [2, 4, 0]

@@ -11,7 +11,7 @@ from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
 from specserve.speculative.eagle3_chain import Eagle3Chain
 from tests.engine.conftest import make_llm
 from tests.speculative.eagle3_heads import _ids, _spec
-from tests.speculative.fake_graphs import FakeGraphs
+from tests.speculative.fake_graphs import FakeGraphs, on_buckets
 
 
 @pytest.mark.parametrize("head", ["copy", "random"])
@@ -109,3 +109,46 @@ def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
         sb.num_accepted_tokens,
     )
     assert sb.num_draft_tokens > 0
+
+
+def _tail_engine(target, head, drafted: bool):
+    """An overlapped engine on the bucket layout with the chain padded (on_buckets)."""
+    llm = make_llm(
+        model=target[0], speculative_config=_spec(head, k=3, verify_budget="off"),
+        max_num_seqs=8, overlap=True, kv_cache_memory_gb=10 * 16384 / 2**30,
+        max_num_batched_tokens=48, enforce_eager=True, debug_invariants=True,
+    )  # fmt: skip
+    _padded(llm)
+    on_buckets(llm, drafted)
+    return llm
+
+
+@pytest.mark.parametrize("head", ["copy", "random"])
+def test_steady_greedy_steps_draft_in_the_graph_tail(target, prompts, ref, heads, head):
+    """runner/graph_tail.py: a steady greedy step writes the chain's inputs inside the target's
+    tail and replays the chain's graph behind it; the drafts, accepts per position and outputs
+    are the eager path's, preemptions (fresh catch-ups, eagerly) on the way. Sampled requests
+    keep the eager sampler (their drafts are verified against q): the seeded run is the eager
+    engine's and adds no tail step."""
+    eager, tail = _tail_engine(target, heads[head], False), _tail_engine(target, heads[head], True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = tail.generate(prompts, sp, use_tqdm=False)
+    assert _ids(outs) == ref == _ids(eager.generate(prompts, sp, use_tqdm=False))
+    eng = tail.engine
+    g, chain = eng.runner.graphs, eng.device_drafting.model_drafter.chain
+    assert g.num_drafted_tail_runs > g.num_verify_replays / 2 > 0
+    assert eager.engine.runner.graphs.num_drafted_tail_runs == 0
+    assert chain.num_steady >= g.num_drafted_tail_runs
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert eng.num_sync_steps == 0
+    assert eng.ledger.spec == eager.engine.ledger.spec
+    assert eng.ledger.spec.num_draft_tokens > 0
+    if head == "copy":
+        assert max(eng.ledger.spec.accepted_per_position[1:]) > 0
+    runs = g.num_drafted_tail_runs
+    hot = SamplingParams(temperature=1.0, seed=4, max_tokens=16, ignore_eos=True)
+    a = tail.generate(prompts[:4], hot, use_tqdm=False)
+    assert _ids(a) == _ids(eager.generate(prompts[:4], hot, use_tqdm=False))
+    assert g.num_drafted_tail_runs == runs
+    assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
+    assert eng.slot_pool.rejected[0].item() == 0
