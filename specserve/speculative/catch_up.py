@@ -5,14 +5,16 @@ verify rows, shifted on the device by the rejections), laid out on the host and 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from specserve.engine.sequence import Sequence
+from specserve.engine.slots import DraftSlotPool
 from specserve.ops.forward_context import ForwardContext
-from specserve.ops.sampling import SamplingTensors
+from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
 from specserve.ops.transfer import h2d_packed
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
@@ -149,3 +151,29 @@ class ChainRows:
             self.ones, self.cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
             lay.max_context_len,
         )  # fmt: skip
+
+
+def pick_drafts(
+    logits: torch.Tensor,  # [R, Vd] a drafter's logits (Vd: its vocabulary)
+    t: SamplingTensors,  # per request, its counters at this draft position
+    pool: DraftSlotPool,
+    q_rows: torch.Tensor,  # [R] int64, the pool's flat q row of each request's draft
+    to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,  # [R, Vd] -> [R, V]
+    ids: torch.Tensor | None = None,  # [Vd] int64, target id of each drafter token
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per request [R] int64 and its q [R, V] (written to the pool): sampled from q
+    under DRAFT_SALT; in a step of greedy requests alone the argmax, and no q (greedy
+    verification reads none, step_sampler.py)."""
+    if t.all_greedy:
+        idx = logits.argmax(dim=-1)
+        return (idx if ids is None else ids[idx]), None
+    q = target_probs(logits if to_target is None else to_target(logits), t)
+    pool.q.index_copy_(0, q_rows, q)
+    return sample(q, t, DRAFT_SALT), q
+
+
+def draft_confidence(q: torch.Tensor | None, tok: torch.Tensor) -> torch.Tensor:
+    """[R] float32 the drafted token's q (a greedy draft's: 1)."""
+    if q is None:
+        return torch.ones(tok.shape, dtype=torch.float32, device=tok.device)
+    return q.gather(1, tok.unsqueeze(1)).squeeze(1).float()

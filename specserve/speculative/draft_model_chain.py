@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.slots import DraftSlotPool
-from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
+from specserve.speculative.catch_up import draft_confidence, pick_drafts
 from specserve.speculative.draft_graphs import DraftGraphs
 
 # logits [R, V] fp32 of the rows `rows` of one draft-model forward over (tokens, positions, ctx)
@@ -50,10 +50,8 @@ class DraftModelChain(DraftGraphs):
                 pos = self.seq_len[:n] - 1 + j
                 logits = self.forward(tok, pos, self._chain_context(n, pos), self.reqs[:n])
             tj = dataclasses.replace(t, counter=t.counter + j)
-            q = target_probs(logits, tj)  # [n, V]
-            tok = sample(q, tj, DRAFT_SALT)
-            pool.q.index_copy_(0, slots * k + j, q)
+            tok, q = pick_drafts(logits, tj, pool, slots * k + j)
             drafts.append(tok)
-            confs.append(q.gather(1, tok.unsqueeze(1)).squeeze(1).float())
+            confs.append(draft_confidence(q, tok))
         pool.draft_ids.index_copy_(0, slots, torch.stack(drafts, 1))
         pool.draft_conf.index_copy_(0, slots, torch.stack(confs, 1))

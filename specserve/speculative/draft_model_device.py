@@ -24,15 +24,16 @@ import torch
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.forward_context import ForwardContext, KVCache
-from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
     ChainRows,
+    draft_confidence,
     kv_slots,
     mark_fresh,
     pack_catch_up,
+    pick_drafts,
     settled,
 )
 from specserve.speculative.draft_graphs import SteadyRows
@@ -168,10 +169,9 @@ class DraftModelDeviceDrafter:
                 pos = seq_len - 1 + j
                 logits = self._logits(tok, pos, chain.context(pos), chain.reqs)
             tj = dataclasses.replace(t, counter=num_output + j)
-            q = target_probs(logits, tj)  # the same filtered family as the target's p
-            tok = sample(q, tj, DRAFT_SALT)
-            pool.q.index_copy_(0, base + j, q)
+            # q: the same filtered family as the target's p
+            tok, q = pick_drafts(logits, tj, pool, base + j)
             drafts.append(tok)
-            confs.append(q.gather(1, tok.unsqueeze(1)).squeeze(1).float())
+            confs.append(draft_confidence(q, tok))
         pool.draft_ids.index_copy_(0, plan.slots, torch.stack(drafts, 1))
         pool.draft_conf.index_copy_(0, plan.slots, torch.stack(confs, 1))

@@ -15,19 +15,22 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.slots import DraftSlotPool
-from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
+from specserve.ops.sampling import SamplingTensors
 from specserve.speculative.draft_graphs import DraftGraphs
 
-# (prenorm, logits, confidence logit) of one head step over (tokens, hidden, positions, ctx, rows)
+# (prenorm, draft logits, confidence logit) of one head step over (tokens, hidden, positions, ctx, rows)
 HeadStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-# the confidence of draft j: (confidence logit or None, q, drafted token, j) -> [R] float32
-Confidence = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# drafts [R] int64 and q [R, V] (None: all greedy) from (draft logits, sampling, pool q rows)
+Pick = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# the confidence of draft j: (confidence logit or None, q or None, drafted token, j) -> [R]
+Confidence = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor, int], torch.Tensor]
 
 
 class Eagle3Chain(DraftGraphs):
     def __init__(
         self,
         step: HeadStep,
+        pick: Pick,
         confidence: Confidence,
         pool: DraftSlotPool,
         hidden_size: int,
@@ -39,7 +42,7 @@ class Eagle3Chain(DraftGraphs):
         store: torch.Tensor,  # [slots + 1, H] the target's fused g per KV slot (last: trash)
     ) -> None:
         super().__init__(pool, width, block_size, trash, padded)
-        self.step, self.confidence, self.store = step, confidence, store
+        self.step, self.pick, self.confidence, self.store = step, pick, confidence, store
         n, dev = pool.num_slots, pool.device
         self.tok = torch.zeros(n, dtype=torch.int64, device=dev)  # draft 1
         self.conf = torch.zeros(n, dtype=torch.float32, device=dev)  # its confidence
@@ -80,9 +83,7 @@ class Eagle3Chain(DraftGraphs):
             rows.tokens, self.store[kv], rows.pos, rows.ctx, rows.final
         )
         t = self._sampling(n, shape, max_top_k)
-        q = target_probs(logits, t)  # [n, V]
-        tok = sample(q, t, DRAFT_SALT)
-        self.pool.q.index_copy_(0, self.slots[:n] * self.k, q)
+        tok, q = self.pick(logits, t, self.slots[:n] * self.k)
         self._chain(n, t, tok, self.confidence(conf_logit, q, tok, 0), hidden)
 
     def _chain(
@@ -100,9 +101,7 @@ class Eagle3Chain(DraftGraphs):
             ctx = self._chain_context(n, pos)
             hidden, logits, conf_logit = self.step(tok, hidden, pos, ctx, reqs)
             tj = dataclasses.replace(t, counter=t.counter + j)
-            q = target_probs(logits, tj)  # [n, V]
-            tok = sample(q, tj, DRAFT_SALT)
-            pool.q.index_copy_(0, slots * k + j, q)
+            tok, q = self.pick(logits, tj, slots * k + j)
             drafts.append(tok)
             confs.append(self.confidence(conf_logit, q, tok, j))
         pool.draft_ids.index_copy_(0, slots, torch.stack(drafts, 1))

@@ -26,14 +26,16 @@ from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
-from specserve.ops.sampling import DRAFT_SALT, sample, target_probs
+from specserve.ops.sampling import SamplingTensors
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
+    draft_confidence,
     kv_slots,
     mark_fresh,
     pack_catch_up,
+    pick_drafts,
     settled,
 )
 from specserve.speculative.draft_graphs import SteadyRows
@@ -60,8 +62,10 @@ class Eagle3DeviceDrafter:
         self.caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
         # block-table columns of every position a step touches (chain included), + the trash one
         self.width = -(-(max_model_len + pool.k + 1) // self.block_size) + 1
+        self.ids = self.head.draft_to_target()  # [draft vocab] int64 target ids
         self.chain = Eagle3Chain(
             self._step,
+            self._pick,
             self._confidence,
             pool,
             self.head.config.hidden_size,
@@ -139,8 +143,8 @@ class Eagle3DeviceDrafter:
         ctx: ForwardContext,
         rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One head step over the rows; (prenorm, logits over the target's vocabulary (-inf off
-        the draft vocabulary), confidence logit) of `rows`."""
+        """One head step over the rows; (prenorm, logits over the draft vocabulary, confidence
+        logit) of `rows`."""
         cache, scale = self.cache, self.head.midlayer.self_attn.scale
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -149,13 +153,20 @@ class Eagle3DeviceDrafter:
 
         out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len)
         conf = out.confidence[rows] if out.confidence is not None else None
-        return out.prenorm[rows], self.head.target_logits(out.logits[rows]), conf
+        return out.prenorm[rows], out.logits[rows], conf
+
+    def _pick(
+        self, logits: torch.Tensor, t: SamplingTensors, q_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts from draft-vocabulary logits, and their q over the target's vocabulary (-inf
+        off the draft vocabulary: q = 0 there)."""
+        return pick_drafts(logits, t, self.pool, q_rows, self.head.target_logits, self.ids)
 
     def _confidence(
-        self, conf_logit: torch.Tensor | None, q: torch.Tensor, tok: torch.Tensor, j: int
+        self, conf_logit: torch.Tensor | None, q: torch.Tensor | None, tok: torch.Tensor, j: int
     ) -> torch.Tensor:  # [R] float32
         if conf_logit is None:  # a head without a confidence head: the drafted token's q
-            return q.gather(1, tok.unsqueeze(1)).squeeze(1).float()
+            return draft_confidence(q, tok)
         temps = self.inner.temperatures
         return torch.sigmoid(conf_logit / temps[min(j, len(temps) - 1)]).float()
 
@@ -168,7 +179,7 @@ class Eagle3DeviceDrafter:
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
     ) -> None:
-        pool, k = self.pool, self.pool.k
+        k = self.pool.k
         acc = result.num_accepted
         # per request sampling params: each one's at its first verify row, DRAFT_SALT stream
         emitted, t = settled(plan, result, num_output)
@@ -195,8 +206,6 @@ class Eagle3DeviceDrafter:
         final = lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix + acc  # [R]
         hidden = self.inner.store[slots]  # the target's g at each position
         prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
-        q = target_probs(logits, t)  # [R, V]
-        tok = sample(q, t, DRAFT_SALT)
-        pool.q.index_copy_(0, plan.slots * k, q)
+        tok, q = self._pick(logits, t, plan.slots * k)
         conf = self._confidence(conf_logit, q, tok, 0)
         self.chain.run(tok, conf, prenorm, seq_len, num_output, plan.slots, lay.block_tables, t)

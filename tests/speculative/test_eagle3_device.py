@@ -68,7 +68,7 @@ def _padded(llm) -> FakeGraphs:
     md = llm.engine.device_drafting.model_drafter
     old = md.chain
     md.chain = Eagle3Chain(
-        md._step, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
+        md._step, md._pick, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
         md.block_size, md.trash, padded=True, store=md.inner.store,
     )  # fmt: skip
     fake = FakeGraphs()
