@@ -38,7 +38,7 @@ from torch import nn
 
 from specserve.model.eagle3_config import EAGLE3_ARCHITECTURE, Eagle3Config
 from specserve.model.layers import RMSNorm, RotaryEmbedding
-from specserve.ops.fused import apply_rope
+from specserve.ops.fused import apply_rope, rope_, silu_and_mul
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # serving: q, k, v stacked (fuse_for_serving)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, 2H] -> q [T, heads, D], k and v [T, kv_heads, D] (before rope)."""
@@ -72,6 +73,19 @@ class Eagle3Attention(nn.Module):
             self.v_proj(x).view(t, self.num_kv_heads, d),
         )
 
+    def qkv_roped(
+        self, x: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, 2H] -> q [T, heads, D], k and v [T, kv_heads, D], q and k roped. Stacked: one
+        matmul, q and k roped in one pass, all three views of its output."""
+        if self.qkv_proj is None:
+            q, k, v = self.qkv(x)
+            return apply_rope(q, cos_sin), apply_rope(k, cos_sin), v
+        h, hkv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(x.shape[0], h + 2 * hkv, self.head_dim)
+        qk = rope_(heads[:, : h + hkv], cos_sin)  # in place on the fused path
+        return qk[:, :h], qk[:, h:], heads[:, h + hkv :]
+
 
 class Eagle3MLP(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
@@ -79,8 +93,11 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # serving: gate, up stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -126,6 +143,21 @@ class Eagle3Head(nn.Module):
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
 
+    def fuse_for_serving(self) -> None:
+        """q/k/v and gate/up as one matmul each: fewer launches a head step. For serving only:
+        the stacked weights replace the checkpoint's tensors (state_dict loses their names)."""
+
+        def stacked(*parts: nn.Linear) -> nn.Linear:
+            w = torch.cat([p.weight.detach() for p in parts])
+            out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            out.weight = nn.Parameter(w, requires_grad=False)
+            return out
+
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        attn.qkv_proj = stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+        mlp.gate_up_proj = stacked(mlp.gate_proj, mlp.up_proj)
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+
     @property
     def embedding(self) -> nn.Embedding:
         return self.embed_tokens if self.owns_embedding else self._shared_embed
@@ -154,9 +186,8 @@ class Eagle3Head(nn.Module):
         h_normed = layer.hidden_norm(hidden)
         residual = h_normed if c.norm_before_residual else hidden
         x = torch.cat([layer.input_layernorm(embeds), h_normed], dim=-1)  # [T, 2H]
-        q, k, v = layer.self_attn.qkv(x)
         cos_sin = self.rotary.cos_sin(positions, max_position, x.dtype)
-        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        q, k, v = layer.self_attn.qkv_roped(x, cos_sin)
         o = attend(q, k, v)  # [T, heads, D]
         residual = residual + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
         prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))

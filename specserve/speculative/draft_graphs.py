@@ -281,10 +281,20 @@ class DraftGraphs:
         final = self.cu_k1[:n].to(torch.int64) + self.accepted[:n]
         return CatchUpRows(req, tokens, pos, ctx, final)
 
-    def _chain_context(self, n: int, pos: torch.Tensor) -> ForwardContext:
-        """One row per request at positions `pos` [n]."""
+    def _chain_contexts(
+        self, n: int, first: torch.Tensor
+    ) -> list[tuple[torch.Tensor, ForwardContext]]:
+        """(positions [n], context) of each of the k - 1 chained steps: one row per request,
+        at first + i ([n] int64) in step i. All steps' slots at once: a few launches in all
+        rather than a few per step (a small head's step is launch-bound)."""
+        steps = self.k - 1
+        pos = first.unsqueeze(0) + self.row_j[:steps].unsqueeze(1)  # [k - 1, n]
         bt = self.block_tables[:n]
-        return ForwardContext(
-            self.ones[:n], self.cu1[: n + 1], (pos + 1).to(torch.int32), bt,
-            kv_slots(bt, self.reqs[:n], pos, self.block_size), 1, self.max_context_len,
-        )  # fmt: skip
+        kv = kv_slots(bt, self.reqs[:n].expand(steps, n), pos, self.block_size)  # [k - 1, n]
+        lens = (pos + 1).to(torch.int32)
+        return [
+            (pos[i], ForwardContext(
+                self.ones[:n], self.cu1[: n + 1], lens[i], bt, kv[i], 1, self.max_context_len
+            ))
+            for i in range(steps)
+        ]  # fmt: skip

@@ -45,10 +45,11 @@ class DraftModelChain(DraftGraphs):
         drafts: list[torch.Tensor] = []
         confs: list[torch.Tensor] = []
         tok = rows.tokens  # replaced by draft 1 before a chained forward reads it
+        contexts = self._chain_contexts(n, self.seq_len[:n])  # draft j at len - 1 + j
         for j in range(k):
             if j > 0:  # chained: the previous draft at the next position
-                pos = self.seq_len[:n] - 1 + j
-                logits = self.forward(tok, pos, self._chain_context(n, pos), self.reqs[:n])
+                pos, ctx = contexts[j - 1]
+                logits = self.forward(tok, pos, ctx, self.reqs[:n])
             tj = dataclasses.replace(t, counter=t.counter + j)
             tok, q = pick_drafts(logits, tj, pool, slots * k + j)
             drafts.append(tok)

@@ -52,6 +52,7 @@ class Eagle3Drafter:
         # no model named: the target is the default model (EngineConfig checks), whose head ships
         path = spec.model or default_head_path()
         self.head: Eagle3Head = load_eagle3_head(path, tc, engine.device, engine.dtype, embed)
+        self.head.fuse_for_serving()
         # CPU: the head's linears quantized as speculative_config.quantization says, else as
         # the target's, else packed (it serves here; training builds its own)
         drafter_linears(self.head, spec.quantization or engine.config.quantization)

@@ -96,9 +96,9 @@ class Eagle3Chain(DraftGraphs):
     ) -> None:
         pool, k, slots, reqs = self.pool, self.k, self.slots[:n], self.reqs[:n]
         drafts, confs = [tok], [conf]
-        for j in range(1, k):
-            pos = self.seq_len[:n] - 2 + j  # [n] the previous draft's position
-            ctx = self._chain_context(n, pos)
+        # step j at the previous draft's position, len - 2 + j
+        contexts = self._chain_contexts(n, self.seq_len[:n] - 1)
+        for j, (pos, ctx) in enumerate(contexts, 1):
             hidden, logits, conf_logit = self.step(tok, hidden, pos, ctx, reqs)
             tj = dataclasses.replace(t, counter=t.counter + j)
             tok, q = self.pick(logits, tj, slots * k + j)
