@@ -34,17 +34,17 @@ eager sampler's device-feed path captured whole (device_feed.py):
     the drafter's drafts for the next step into the pool      (TailDrafting.draft)
     out += drafts verified [Bb]; fout = their confidences [Tb] | the next drafts' [Bb, k]
 
-Golden drafts inside it. A model drafter (EAGLE-3 head, draft model) in a steady greedy step
-(speculative/device_drafting.py: tail_ready) has it write its chain's static inputs instead
-(draft_graphs.py: tail_inputs), then replays its chain's own graph behind it (TailDrafting.
-after), bucketed by the step's real requests: a forward bucket of Tb rows pads to Bb = min(Tb,
-max_num_seqs) requests, which at k + 1 rows a request is k + 1 times the real ones, and a head
-or draft-model forward over the padding would cost its share.
-
 so a step with speculation on costs the host what a plain step does: a zero-draft step of a
 speculative engine no longer pays the eager sampler. The feed's per-row indices are the
 forward's (a verify row checks the draft fed at the row after it); its per-request ones travel
-in the tail section (req_shift, anchor_pos).
+in the tail section (req_shift, anchor_pos; num_blocks for a model drafter).
+
+Golden drafts inside it. A model drafter (EAGLE-3 head, draft model) in a steady greedy step
+(speculative/device_drafting.py: tail_ready) has the tail write its chain's static inputs
+instead (draft_graphs.py: tail_inputs), then replays its chain's own graph right behind it
+(TailDrafting.after), bucketed by the step's real requests: a forward bucket of Tb rows pads to
+Bb = min(Tb, max_num_seqs) requests, k + 1 times the real ones at k + 1 rows a request, and a
+head or draft-model forward over that padding would cost its share.
 """
 
 from __future__ import annotations
