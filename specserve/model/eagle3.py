@@ -189,9 +189,10 @@ class Eagle3Head(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, max_position, x.dtype)
         q, k, v = layer.self_attn.qkv_roped(x, cos_sin)
         o = attend(q, k, v)  # [T, heads, D]
-        residual = residual + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
-        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        normed = self.norm(prenorm)
+        # each residual add fused with the norm after it (one kernel on CUDA)
+        attn_out = layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        h, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
+        normed, prenorm = self.norm.add_forward(layer.mlp(h), residual)
         conf = None
         if self.confidence_head is not None:
             conf = self.confidence_head(torch.cat([normed, embeds], dim=-1)).squeeze(-1).float()

@@ -157,13 +157,13 @@ def pick_drafts(
     logits: torch.Tensor,  # [R, Vd] a drafter's logits (Vd: its vocabulary)
     t: SamplingTensors,  # per request, its counters at this draft position
     pool: DraftSlotPool,
-    q_rows: torch.Tensor,  # [R] int64, the pool's flat q row of each request's draft
+    q_rows: torch.Tensor | None,  # [R] int64, the pool's flat q row of each request's draft
     to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,  # [R, Vd] -> [R, V]
     ids: torch.Tensor | None = None,  # [Vd] int64, target id of each drafter token
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft per request [R] int64 and its q [R, V] (written to the pool): sampled from q
     under DRAFT_SALT; in a step of greedy requests alone the argmax, and no q (greedy
-    verification reads none, step_sampler.py)."""
+    verification reads none, step_sampler.py; q_rows may then be None)."""
     if t.all_greedy:
         idx = logits.argmax(dim=-1)
         return (idx if ids is None else ids[idx]), None

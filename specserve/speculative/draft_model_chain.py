@@ -50,8 +50,8 @@ class DraftModelChain(DraftGraphs):
             if j > 0:  # chained: the previous draft at the next position
                 pos, ctx = contexts[j - 1]
                 logits = self.forward(tok, pos, ctx, self.reqs[:n])
-            tj = dataclasses.replace(t, counter=t.counter + j)
-            tok, q = pick_drafts(logits, tj, pool, slots * k + j)
+            tj = t if t.all_greedy else dataclasses.replace(t, counter=t.counter + j)
+            tok, q = pick_drafts(logits, tj, pool, None if t.all_greedy else slots * k + j)
             drafts.append(tok)
             confs.append(draft_confidence(q, tok))
         pool.draft_ids.index_copy_(0, slots, torch.stack(drafts, 1))

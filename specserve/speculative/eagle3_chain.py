@@ -18,7 +18,8 @@ from specserve.engine.slots import DraftSlotPool
 from specserve.ops.sampling import SamplingTensors
 from specserve.speculative.draft_graphs import DraftGraphs
 
-# (prenorm, draft logits, confidence logit) of one head step over (tokens, hidden, positions, ctx, rows)
+# (prenorm, draft logits, confidence logit) of one head step over (tokens, hidden, positions,
+# ctx, rows: the rows returned, None for all)
 HeadStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 # drafts [R] int64 and q [R, V] (None: all greedy) from (draft logits, sampling, pool q rows)
 Pick = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -83,7 +84,7 @@ class Eagle3Chain(DraftGraphs):
             rows.tokens, self.store[kv], rows.pos, rows.ctx, rows.final
         )
         t = self._sampling(n, shape, max_top_k)
-        tok, q = self.pick(logits, t, self.slots[:n] * self.k)
+        tok, q = self.pick(logits, t, None if t.all_greedy else self.slots[:n] * self.k)
         self._chain(n, t, tok, self.confidence(conf_logit, q, tok, 0), hidden)
 
     def _chain(
@@ -94,14 +95,15 @@ class Eagle3Chain(DraftGraphs):
         conf: torch.Tensor,  # [n] its confidence
         hidden: torch.Tensor,  # [n, H] its step's prenorm
     ) -> None:
-        pool, k, slots, reqs = self.pool, self.k, self.slots[:n], self.reqs[:n]
+        pool, k, slots = self.pool, self.k, self.slots[:n]
         drafts, confs = [tok], [conf]
         # step j at the previous draft's position, len - 2 + j
         contexts = self._chain_contexts(n, self.seq_len[:n] - 1)
+        greedy = t.all_greedy  # no counters, no q (pick_drafts)
         for j, (pos, ctx) in enumerate(contexts, 1):
-            hidden, logits, conf_logit = self.step(tok, hidden, pos, ctx, reqs)
-            tj = dataclasses.replace(t, counter=t.counter + j)
-            tok, q = self.pick(logits, tj, slots * k + j)
+            hidden, logits, conf_logit = self.step(tok, hidden, pos, ctx, None)
+            tj = t if greedy else dataclasses.replace(t, counter=t.counter + j)
+            tok, q = self.pick(logits, tj, None if greedy else slots * k + j)
             drafts.append(tok)
             confs.append(self.confidence(conf_logit, q, tok, j))
         pool.draft_ids.index_copy_(0, slots, torch.stack(drafts, 1))

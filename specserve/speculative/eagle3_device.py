@@ -141,10 +141,10 @@ class Eagle3DeviceDrafter:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         ctx: ForwardContext,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One head step over the rows; (prenorm, logits over the draft vocabulary, confidence
-        logit) of `rows`."""
+        logit) of `rows` (None: of every row, a chained step's)."""
         cache, scale = self.cache, self.head.midlayer.self_attn.scale
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -152,6 +152,8 @@ class Eagle3DeviceDrafter:
             return paged_attention(q, cache, ctx, scale)
 
         out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len)
+        if rows is None:
+            return out.prenorm, out.logits, out.confidence
         conf = out.confidence[rows] if out.confidence is not None else None
         return out.prenorm[rows], out.logits[rows], conf
 
