@@ -12,7 +12,8 @@ only on the device: each request's correction is its host p0 less the true one, 
 lengths the step just wrote. The k - 1 chained steps then run one row per request at positions
 len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
 trash block). On CUDA a steady step (no request with prompt rows) replays one CUDA graph for
-all of it (draft_model_chain.py); a step that admits a request runs eagerly.
+all of it (draft_model_chain.py), its inputs written by the target's graph tail when the step is
+greedy and samples there (runner/graph_tail.py); a step that admits a request runs eagerly.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ positions past its rows for them).
 
 On CUDA a steady step (no request with prompt rows to catch up) replays one CUDA graph for the
 catch-up and the chain (eagle3_chain.py); a step that admits a request catches up eagerly (its
-rows vary) and replays the chain's graph.
+rows vary) and replays the chain's graph. A steady greedy step sampling in the target's graph
+tail has its inputs written there, no host layout at all (runner/graph_tail.py).
 """
 
 from __future__ import annotations
