@@ -110,12 +110,17 @@ def settled(
     verified token, else the request's sampled one) [T] int64, and per request sampling params
     (draft_sampling, counters at num_output)."""
     layout = plan.layout
-    emitted = torch.where(
+    return emitted_tokens(result, layout.row_to_req), draft_sampling(plan.t, layout.ftp, num_output)
+
+
+def emitted_tokens(result: VerifyResult, row_to_req: torch.Tensor) -> torch.Tensor:
+    """[T] int64 the token each verify-layout row emitted: its verified token, else its
+    request's sampled one."""
+    return torch.where(
         result.verified_token_ids >= 0,
         result.verified_token_ids.to(torch.int64),
-        result.sampled_token_ids[layout.row_to_req],
+        result.sampled_token_ids[row_to_req],
     )
-    return emitted, draft_sampling(plan.t, layout.ftp, num_output)
 
 
 def draft_sampling(

@@ -38,7 +38,7 @@ from specserve.ops.transfer import h2d
 from specserve.runner.graph_tail import TailStep
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.catch_up import kv_slots, table_rows
+from specserve.speculative.catch_up import emitted_tokens, kv_slots, table_rows
 
 _SHAPES = {
     "greedy": dict(
@@ -205,12 +205,7 @@ class DraftGraphs:
         chain's graph for the step's real requests runs behind it (replay_tail)."""
         v, res = st.views, st.result
         reqs, rows = v.slots.shape[0], v.seed.shape[0]
-        emitted = torch.where(
-            res.verified_token_ids >= 0,
-            res.verified_token_ids.to(torch.int64),
-            res.sampled_token_ids[st.row_req],
-        )  # [Tb], as settled() reads a step
-        self.emitted[:rows].copy_(emitted)
+        self.emitted[:rows].copy_(emitted_tokens(res, st.row_req))  # [Tb]
         for dst, src in (
             (self.accepted, res.num_accepted),
             (self.num_rows, v.seqlens_q),
