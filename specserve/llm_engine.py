@@ -333,7 +333,7 @@ class LLMEngine:
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
         if self.device_drafting is not None and host is not None:
-            self.device_drafting.observe(seqs, host)
+            self.device_drafting.observe(seqs, host, launched.drafted)
         return host
 
     def _time_step(self, launched: LaunchedStep) -> None:
@@ -346,7 +346,7 @@ class LLMEngine:
         last, self._last_readback = self._last_readback, now
         if launched.timed and launched.batch.is_decode_shaped:
             start = last if last is not None else launched.t0
-            self.budget.observe_step(launched.batch.num_rows, now - start)
+            self.budget.observe_step(launched.batch.num_rows, now - start, launched.drafted)
 
     def _commit(
         self,

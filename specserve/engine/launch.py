@@ -73,6 +73,7 @@ class LaunchedStep:
     deferred: _Deferred | None = None  # sampling to queue after the step in flight's ledger
     forward: Future | None = None  # CPU worker: its forward
     timed: bool = True  # its readback period prices the step-cost curve (llm_engine._time_step)
+    drafted: bool = True  # a model drafter drafted in it (the budget's curve of its kind)
 
 
 def settle(launched: LaunchedStep) -> None:
@@ -106,12 +107,16 @@ class Launcher:
         eng.timeline.begin("decode" if batch.is_decode_shaped else "other")
         inputs = eng.runner.prepare(batch)
         admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
+        drafted = dd is None or dd.drafting_now
+        if dd is not None and dd.plain(batch):
+            dd = None  # a model drafter's step that does not draft: a plain step
         hook, plan_args = None, {}
         if dd is not None and seqs:
             plan_args = self._device_feed(batch)
         draft_q = eng.speculator.draft_q(seqs, drafts) if eng.speculator and seqs else None
         # the token each request sampled: the next overlapped step (or drafting step) reads it
-        next_tokens = eng.runner.next_tokens if overlap or dd is not None else None
+        has_dd = eng.device_drafting is not None
+        next_tokens = eng.runner.next_tokens if overlap or has_dd else None
         defer = overlap and behind and reads_tokens_in_flight(seqs)
         worker = eng._worker if overlap else None
         # the common shape samples inside the bucket's graph, behind its forward (graph_tail.py)
@@ -124,13 +129,18 @@ class Launcher:
                 if pack_tail(seqs, drafts, inputs.tail_views(), feed):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
         if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
-            hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])
-        step = LaunchedStep(batch, seqs, t0, behind)
+            nd = [len(d) for d in drafts]
+            hook = dd.step_hook(seqs, plan_args["anchor_pos"], nd, eng.runner.next_tokens)
+        if has_dd and seqs:
+            eng.device_drafting.launched(seqs)
+        step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted)
         logits: torch.Tensor | None = None  # inline (no worker): the forward's output
 
         def forward() -> torch.Tensor | SampledTail:  # [total_q, V]
             if admitted:
-                dd.apply(admitted)
+                eng.device_drafting.apply(admitted)
+            if hook is not None and hook.before is not None:
+                hook.before()
             return eng.runner.forward(inputs)
 
         def plan() -> SamplerPlan | None:

@@ -24,7 +24,9 @@ class CatchUp(NamedTuple):
     """Host layout of a step's catch-up rows (C rows, R requests), on the device."""
 
     tokens: torch.Tensor  # [C] int64, host tokens (prompt rows)
-    emit_at: torch.Tensor  # [C] int64, verify-layout row + 1 whose emitted token feeds it; 0
+    # [C] int64, verify-layout row + 1 whose emitted token feeds it; 0: its host token; -1:
+    # its request's anchor token, in flight (the step's `anchor`)
+    emit_at: torch.Tensor
     positions: torch.Tensor  # [C] int64, host positions (verify rows: upper bounds)
     row_req: torch.Tensor  # [C] int64
     verify_row: torch.Tensor  # [C] bool, row shifts with its request's correction
@@ -77,13 +79,25 @@ def pack_catch_up(
     )
 
 
-def mark_fresh(caught_up: dict[str, int], seqs: list[Sequence]) -> list[bool]:
-    """Which requests draft for the first time since they (re)started running (their drafter
-    KV is missing: they catch up from position 0); marks every one caught up in its epoch."""
-    fresh = [caught_up.get(s.request_id) != s.epoch for s in seqs]
-    for s in seqs:
-        caught_up[s.request_id] = s.epoch
-    return fresh
+def prefix_rows(seq: Sequence, lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """The tokens [lo, hi) of a request that catches up (hi - 1: its anchor) and their emit_at:
+    0 (a host token), or -1 for an anchor the step in flight has yet to bring to the host."""
+    toks = seq.token_ids[lo:hi]
+    if len(toks) == hi - lo:
+        return toks, [0] * len(toks)
+    assert len(toks) == hi - lo - 1 and seq.num_pending, "only the anchor may be in flight"
+    return toks + [0], [0] * len(toks) + [-1]
+
+
+def catch_up_tokens(
+    lay: CatchUp, emitted: torch.Tensor, anchor: torch.Tensor | None
+) -> torch.Tensor:
+    """[C] int64 the token each catch-up row feeds: a verify row's emitted token, a prefix
+    row's host token or its request's anchor in flight (anchor [R])."""
+    tokens = torch.where(lay.emit_at > 0, emitted[(lay.emit_at - 1).clamp_min(0)], lay.tokens)
+    if anchor is None:
+        return tokens
+    return torch.where(lay.emit_at < 0, anchor[lay.row_req], tokens)
 
 
 def table_rows(tables: list[list[int]], width: int, trash: int) -> np.ndarray:

@@ -17,6 +17,13 @@ back with each step: those of the drafts a step wrote for the step after it. Und
 newest the host has when it lays out step N+1 are the ones of step N's drafts (N, which drafts
 for N+1, is still in flight): one step old. A request not yet read back starts at confidence 1
 (verify, to learn). A request whose newest drafts are fewer than its rows checks -1 there.
+
+A model drafter's chain runs in every step that drafts, so with the budget each step also
+chooses whether to draft (VerifyBudget.plan). A step that does not is a plain step: no feed, no
+drafter, no hook (one whose rows still verify or shift by drafts in flight runs the device path
+without drafting). When drafting resumes, a request catches up from the length after the last
+step that drafted for it (read back), its anchor token, still in flight, from next_tokens; the
+budget waits for the request's drafts in flight to settle first (may_draft).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.ledger import HostStepResult
+from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.transfer import h2d
@@ -54,6 +62,17 @@ class Admission(NamedTuple):
     coins: torch.Tensor | None  # [g] bool, golden drafter
 
 
+class StepHook:
+    """A step's drafting: `before` queued ahead of its forward (the anchor tokens in flight,
+    for requests that resume drafting), the hook itself after its verification."""
+
+    def __init__(self, after: Callable[..., None], before: Callable[[], None] | None) -> None:
+        self.after, self.before = after, before
+
+    def __call__(self, plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
+        self.after(plan, result, seq_len)
+
+
 class DeviceDrafting:
     def __init__(
         self,
@@ -73,6 +92,14 @@ class DeviceDrafting:
         self.prompt_len = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=pool.device)
         # [slots + 1, k] the newest confidences read back per slot (the budget's inputs)
         self.host_conf = np.ones((pool.num_slots + 1, max(self.k, 1)))
+        # a slot's confidences read back (its latest owner's, ended or not: a new one's prior)
+        self.read = np.zeros(pool.num_slots + 1, dtype=bool)
+        # model drafters: the budget's choice for the step laid out last (VerifyBudget.plan);
+        # per slot, whether its latest sampling step drafted, and the length after the last
+        # one that did, read back (its drafter's KV is valid that far: 0 = none yet)
+        self.drafting_now = True
+        self.drafted = np.zeros(pool.num_slots + 1, dtype=bool)
+        self.kv_len = np.zeros(pool.num_slots + 1, dtype=np.int64)
         self.ngram: NgramDeviceDrafter | None = None
         self.golden: GoldenDeviceDrafter | None = None
         self.model_drafter: Eagle3DeviceDrafter | DraftModelDeviceDrafter | None = None
@@ -122,18 +149,30 @@ class DeviceDrafting:
 
     def tail_ready(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests may draft in the graph tail (given the tail takes
-        its sampling, sampler_inputs.pack_tail): golden's always; a model drafter's when every
-        request is greedy (sampled drafts are verified against their q: the eager sampler's),
-        without golden ids, and caught up in its epoch (a fresh one catches up eagerly)."""
-        md = self.model_drafter
-        if md is None:
+        its sampling, sampler_inputs.pack_tail): golden's always; a model drafter's when the
+        step drafts and every request is greedy (sampled drafts are verified against their q:
+        the eager sampler's), without golden ids, and drafted for in its previous step (one
+        that catches up from further back does so eagerly)."""
+        if self.model_drafter is None:
             return True
-        return all(
-            s.params.greedy
-            and not s.params.golden_token_ids
-            and md.caught_up.get(s.request_id) == s.epoch
-            for s in seqs
+        return self.drafting_now and all(
+            s.params.greedy and not s.params.golden_token_ids and self.drafted[s.slot] for s in seqs
         )
+
+    def plain(self, batch: StepBatch) -> bool:
+        """A step the device drafter takes no part in: a model drafter's that does not draft,
+        with no drafts to verify and none in flight to shift its rows."""
+        return (
+            self.model_drafter is not None
+            and not self.drafting_now
+            and not any(batch.num_drafts)
+            and not any(batch.shifts)
+        )
+
+    def launched(self, seqs: list[Sequence]) -> None:
+        """A step of these sampling requests is launched (after its hook was laid out)."""
+        for s in seqs:
+            self.drafted[s.slot] = self.drafting_now
 
     def capture(self, backend) -> None:
         """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
@@ -145,7 +184,8 @@ class DeviceDrafting:
         """Uploads for the requests given a slot in this step (host: read them now)."""
         out = []
         for seq in seqs:
-            self.host_conf[seq.slot] = 1.0
+            self.host_conf[seq.slot] = self._prior()
+            self.drafted[seq.slot], self.kv_len[seq.slot], self.read[seq.slot] = False, 0, False
             gold = seq.params.golden_token_ids
             g = c = toks = None
             if gold:
@@ -159,20 +199,41 @@ class DeviceDrafting:
             out.append(Admission(seq.slot, seq.num_tokens, seq.num_prompt_tokens, toks, g, c))
         return out
 
+    def _prior(self) -> float | np.ndarray:
+        """A new request's confidences: 1 (verified, to learn); a model drafter's, whose
+        drafting the whole step pays for, the mean of those read back (the slots' latest)."""
+        if self.model_drafter is None or not self.read.any():
+            return 1.0
+        return self.host_conf[self.read].mean(axis=0)
+
     def step_hook(
-        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
-    ) -> Callable[[SamplerPlan, VerifyResult, torch.Tensor], None]:
+        self,
+        seqs: list[Sequence],
+        anchor_pos: list[int],
+        num_drafts: list[int],
+        next_tokens: torch.Tensor,  # [slots + 1] int64, the runner's
+    ) -> StepHook | None:
         """The after_verify of one step (its sampling requests, the KV position of each anchor
-        row as laid out, its draft rows): drafts the next step. Host inputs are read now: the
-        n-gram confidences (the acceptance seen so far), EAGLE-3's catch-up layout."""
-        conf = lay = None
+        row as laid out, its draft rows): drafts the next step (None: a model drafter's step
+        that does not draft). Host inputs are read now: the n-gram confidences (the acceptance
+        seen so far), a model drafter's catch-up layout."""
+        conf = lay = before = None
+        anchors: list[torch.Tensor] = []
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
             rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
             conf = h2d(rates, torch.float32, self.device)
         if self.model_drafter is not None:
-            lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts)
+            if not self.drafting_now:
+                return None
+            # None: drafted for in its previous step; else the length its KV is valid to
+            resume = [None if self.drafted[s.slot] else int(self.kv_len[s.slot]) for s in seqs]
+            lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts, resume)
+            if any(r is not None and s.num_pending for r, s in zip(resume, seqs)):
+
+                def before() -> None:  # the tokens in flight, before this step samples anew
+                    anchors.append(next_tokens.clone())
 
         def hook(plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
             slots = plan.slots
@@ -187,27 +248,38 @@ class DeviceDrafting:
                 )
                 self.ngram.draft(slots, seq_len, conf, bound)
             elif self.model_drafter is not None:
+                anchor = anchors.pop()[slots] if anchors else None
                 self.model_drafter.draft(
-                    lay, plan, result, seq_len, seq_len - self.prompt_len[slots]
+                    lay, plan, result, seq_len, seq_len - self.prompt_len[slots], anchor
                 )
             else:
                 self.golden.draft(slots, seq_len, self.prompt_len)
 
-        return hook
+        return StepHook(hook, before)
 
     def allot(self, ready: list[Sequence], budget: VerifyBudget, room: list[int]) -> list[int]:
-        """The draft rows of each decode-ready request in the next step (room[i]: its most)."""
-        surv = survivals(self.host_conf[[s.slot for s in ready]])
-        return budget.allot(surv, len(ready), room)
+        """The draft rows of each decode-ready request in the next step (room[i]: its most);
+        a model drafter's: also whether that step drafts (drafting_now)."""
+        slots = [s.slot for s in ready]
+        surv = survivals(self.host_conf[slots])
+        if budget.drafting is None or not ready:
+            return budget.allot(surv, len(ready), room)
+        may = all(self.drafted[s.slot] or not s.num_pending_drafts for s in ready)
+        plan = budget.plan(surv, len(ready), room, self.drafted[slots], may)
+        self.drafting_now = plan.draft
+        return plan.keep
 
-    def observe(self, seqs: list[Sequence], host: HostStepResult) -> None:
-        """A step read back: the confidences its drafts for the next step came with (a request
+    def observe(self, seqs: list[Sequence], host: HostStepResult, drafted: bool = True) -> None:
+        """A step read back (drafted: it drafted for the next): the confidences its drafts came
+        with and, for a model drafter, the length its drafter's KV is now valid to (a request
         that ended since has given its slot away: skipped); the n-gram acceptance estimate
         learns from its real drafts."""
-        if host.next_confidences is not None:
-            for s, conf in zip(seqs, host.next_confidences):
+        if host.next_confidences is not None and drafted:
+            for s, conf, acc in zip(seqs, host.next_confidences, host.num_accepted):
                 if s.slot and not s.is_finished:
                     self.host_conf[s.slot, : len(conf)] = conf
+                    self.read[s.slot] = True
+                    self.kv_len[s.slot] = s.num_tokens + acc + 1  # read before its ledger
         if self.ngram is None or host.num_real_drafts is None:
             return
         for s, n, acc in zip(seqs, host.num_real_drafts, host.num_accepted):
@@ -217,8 +289,6 @@ class DeviceDrafting:
     def release(self, seq: Sequence) -> None:
         if self.ngram is not None:
             self.acceptance.release(seq.request_id)
-        if self.model_drafter is not None:
-            self.model_drafter.release(seq)
 
     # -- device -------------------------------------------------------------------------------
     def apply(self, admissions: list[Admission]) -> None:

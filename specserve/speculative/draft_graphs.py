@@ -128,9 +128,10 @@ class DraftGraphs:
         self.num_replays = 0
         self.num_steady = 0  # steps whose catch-up ran in a graph (or its eager twin)
 
-    def steady_rows(self, seqs: list[Sequence], fresh: list[bool]) -> SteadyRows | None:
-        """A step's host layout when it is steady (no fresh request) and graphs are on."""
-        if not self.buckets or any(fresh):
+    def steady_rows(self, seqs: list[Sequence], behind: list[bool]) -> SteadyRows | None:
+        """A step's host layout when it is steady (no request catching up from further back
+        than its previous step) and graphs are on."""
+        if not self.buckets or any(behind):
             return None
         width = self.block_tables.shape[1]
         tables = table_rows([s.block_table.blocks for s in seqs], width, self.trash)

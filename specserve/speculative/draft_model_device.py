@@ -5,9 +5,11 @@ model's KV shares the target's block tables, position p feeds token p).
 
 Catch-up rows of a request, laid out by the host at launch: position p0 + 1 + j feeding the
 token the step emitted at verify row j (rows past the accepted prefix feed garbage the chain
-overwrites or nothing reads), after, at the first drafting since the request (re)started
-running, positions 0 .. p0 (its tokens, known on the host). Otherwise position p0, the anchor,
-was fed by the previous round's catch-up as that round's last token. Under overlap p0 is known
+overwrites or nothing reads), after, when its previous step did not draft for it, the
+positions its KV lacks up to p0: from the length after the last step that drafted for it (0:
+since it (re)started running), tokens known on the host but the anchor, still in flight, from
+next_tokens (`anchor`). Otherwise position p0, the anchor, was fed by the previous round's
+catch-up as that round's last token. Under overlap p0 is known
 only on the device: each request's correction is its host p0 less the true one, from the
 lengths the step just wrote. The k - 1 chained steps then run one row per request at positions
 len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
@@ -30,11 +32,12 @@ from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
     ChainRows,
+    catch_up_tokens,
     draft_confidence,
     kv_slots,
-    mark_fresh,
     pack_catch_up,
     pick_drafts,
+    prefix_rows,
     settled,
 )
 from specserve.speculative.draft_graphs import SteadyRows
@@ -63,7 +66,6 @@ class DraftModelDeviceDrafter:
 
         self.caches = [KVCache(zeros(), zeros()) for _ in range(num_layers)]
         drafter.runner.kv_caches = self.caches
-        self.caught_up: dict[str, int] = {}  # request id -> epoch its draft KV was built in
         # block-table columns of every position a step touches (chain included), + the trash one
         self.width = -(-(max_model_len + pool.k + 2) // self.block_size) + 1
         self.chain = DraftModelChain(
@@ -79,15 +81,15 @@ class DraftModelDeviceDrafter:
             backend, self.model.rotary.table(self.chain.max_context_len, self.device, dtype)
         )
 
-    def release(self, seq: Sequence) -> None:
-        self.caught_up.pop(seq.request_id, None)
-
     # -- host ---------------------------------------------------------------------------------
     def layout(
-        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+        self,
+        seqs: list[Sequence],
+        anchor_pos: list[int],
+        num_drafts: list[int],
+        resume: list[int | None],  # None: drafted for last step; else its KV's valid length
     ) -> CatchUp | SteadyRows:
-        fresh = mark_fresh(self.caught_up, seqs)
-        steady = self.chain.steady_rows(seqs, fresh)
+        steady = self.chain.steady_rows(seqs, [r is not None for r in resume])
         if steady is not None:
             return steady
         k = self.pool.k
@@ -100,11 +102,14 @@ class DraftModelDeviceDrafter:
         leads: list[int] = []
         tables: list[list[int]] = []
         top, row = 1, 0
-        for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
-            lead = p0 + 1 if fresh[i] else 0  # a fresh request has no drafts in flight: p0 exact
-            tokens += seq.token_ids[:lead] + [0] * (nd + 1)
-            emit_at += [0] * lead + list(range(row + 1, row + nd + 2))
-            positions += list(range(lead)) + list(range(p0 + 1, p0 + nd + 2))
+        for i, (seq, p0, nd, r) in enumerate(zip(seqs, anchor_pos, num_drafts, resume)):
+            # one that resumes has no drafts in flight: p0 exact; position p feeds token p
+            lo = p0 + 1 if r is None else r
+            lead = p0 + 1 - lo
+            toks, feed = prefix_rows(seq, lo, p0 + 1)
+            tokens += toks + [0] * (nd + 1)
+            emit_at += feed + list(range(row + 1, row + nd + 2))
+            positions += list(range(lo, p0 + 1)) + list(range(p0 + 1, p0 + nd + 2))
             row_req += [i] * (lead + nd + 1)
             shifted += [False] * lead + [True] * (nd + 1)
             qlens.append(lead + nd + 1)
@@ -138,6 +143,7 @@ class DraftModelDeviceDrafter:
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
+        anchor: torch.Tensor | None = None,  # [R] int64, each request's anchor token in flight
     ) -> None:
         pool, k = self.pool, self.pool.k
         acc = result.num_accepted
@@ -145,7 +151,7 @@ class DraftModelDeviceDrafter:
         emitted, t = settled(plan, result, num_output)
         if isinstance(lay, SteadyRows):
             return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
-        tokens = torch.where(lay.emit_at > 0, emitted[(lay.emit_at - 1).clamp_min(0)], lay.tokens)
+        tokens = catch_up_tokens(lay, emitted, anchor)
         start = lay.cu_query_lens[:-1].to(torch.int64)
         # the host laid the emitted rows out from p0_host + 1; the true anchor is len - acc - 2
         corr = lay.positions[start + lay.prefix] - 1 - (seq_len - acc - 2)  # [R]

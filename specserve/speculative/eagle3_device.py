@@ -6,8 +6,9 @@ p feeds token p + 1 and the target's fused g_p, from the store its sink filled i
 Catch-up rows of a request, laid out by the host at launch: its verify rows (anchor + drafts),
 position p0 + j feeding the token the step emitted at row j (accepted draft or sampled token;
 rows past the accepted prefix feed garbage that the chain overwrites or nothing reads), and,
-at the first drafting since the request (re)started running, every earlier position of its
-sequence (the prompt, known on the host). Under overlap p0 is known only on the device (the
+when its previous step did not draft for it, every earlier position its KV lacks: from
+len - 1 of the last step that drafted for it (0: since it (re)started running), its tokens
+known on the host but the anchor, still in flight, taken from next_tokens (`anchor`). Under overlap p0 is known only on the device (the
 step in flight's rejections): each request's correction is its host p0 less the true one,
 taken from the lengths the step just wrote. The k - 1 chained steps then run one row per
 request at positions len - 1, len, ... (the scheduler grows each request's blocks k - 1
@@ -32,11 +33,12 @@ from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
+    catch_up_tokens,
     draft_confidence,
     kv_slots,
-    mark_fresh,
     pack_catch_up,
     pick_drafts,
+    prefix_rows,
     settled,
 )
 from specserve.speculative.draft_graphs import SteadyRows
@@ -60,7 +62,6 @@ class Eagle3DeviceDrafter:
         )
         drafter.runner.kv_caches[0] = self.cache
         self.device = pool.device
-        self.caught_up: dict[str, int] = {}  # request id -> epoch its head KV was built in
         # block-table columns of every position a step touches (chain included), + the trash one
         self.width = -(-(max_model_len + pool.k + 1) // self.block_size) + 1
         self.ids = self.head.draft_to_target()  # [draft vocab] int64 target ids
@@ -86,17 +87,17 @@ class Eagle3DeviceDrafter:
         )
         self.chain.capture(backend, table)
 
-    def release(self, seq: Sequence) -> None:
-        self.caught_up.pop(seq.request_id, None)
-
     # -- host ---------------------------------------------------------------------------------
     def layout(
-        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+        self,
+        seqs: list[Sequence],
+        anchor_pos: list[int],
+        num_drafts: list[int],
+        resume: list[int | None],  # None: drafted for last step; else its KV's valid length
     ) -> CatchUp | SteadyRows:
         """Read from the requests at launch: the catch-up rows of each sampling request (a
         steady step under the chain's graphs: only their block tables)."""
-        fresh = mark_fresh(self.caught_up, seqs)
-        steady = self.chain.steady_rows(seqs, fresh)
+        steady = self.chain.steady_rows(seqs, [r is not None for r in resume])
         if steady is not None:
             return steady
         k = self.pool.k
@@ -110,12 +111,15 @@ class Eagle3DeviceDrafter:
         tables: list[list[int]] = []
         top = 1
         row = 0
-        for i, (seq, p0, nd) in enumerate(zip(seqs, anchor_pos, num_drafts)):
-            # a fresh request has no drafts in flight, so its p0 is exact
-            pre = p0 if fresh[i] else 0
-            tokens += seq.token_ids[1 : pre + 1] + [0] * (nd + 1)
-            emit_at += [0] * pre + list(range(row + 1, row + nd + 2))
-            positions += list(range(0, pre)) + list(range(p0, p0 + nd + 1))
+        for i, (seq, p0, nd, r) in enumerate(zip(seqs, anchor_pos, num_drafts, resume)):
+            # one that resumes has no drafts in flight, so its p0 is exact; head position p
+            # feeds token p + 1, and its KV is valid below len - 1
+            lo = p0 if r is None else max(r - 1, 0)
+            pre = p0 - lo
+            toks, feed = prefix_rows(seq, lo + 1, p0 + 1)
+            tokens += toks + [0] * (nd + 1)
+            emit_at += feed + list(range(row + 1, row + nd + 2))
+            positions += list(range(lo, p0)) + list(range(p0, p0 + nd + 1))
             row_req += [i] * (pre + nd + 1)
             verify_row += [False] * pre + [True] * (nd + 1)
             qlens.append(pre + nd + 1)
@@ -181,6 +185,7 @@ class Eagle3DeviceDrafter:
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
+        anchor: torch.Tensor | None = None,  # [R] int64, each request's anchor token in flight
     ) -> None:
         k = self.pool.k
         acc = result.num_accepted
@@ -188,8 +193,7 @@ class Eagle3DeviceDrafter:
         emitted, t = settled(plan, result, num_output)
         if isinstance(lay, SteadyRows):
             return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
-        src = emitted[(lay.emit_at - 1).clamp_min(0)]
-        tokens = torch.where(lay.emit_at > 0, src, lay.tokens)
+        tokens = catch_up_tokens(lay, emitted, anchor)
         # the host laid verify rows out from p0_host; the true anchor is len - accepted - 2
         host_p0 = lay.positions[lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix]
         corr = host_p0 - (seq_len - acc - 2)  # [R]

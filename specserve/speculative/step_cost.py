@@ -7,7 +7,8 @@ stalled step never sets a price), each divided by the machine's speed when it ra
 ratio of recent real steps to their priced buckets), so prices measured minutes apart on a
 shared machine stay comparable (the choice depends on their ratios only); a monotone envelope
 then makes an unmeasured bucket cost at least every measured smaller one and no bucket more
-than a larger one (a step can be padded up).
+than a larger one (a step can be padded up). A model drafter drafting on the device prices its
+steps on a twin curve (`twin`): the same buckets and machine speed, its own real steps.
 Optimistic on purpose: a price too low is chosen, run and corrected by the real steps. Between
 buckets: a step function where steps run padded (CUDA graphs), linear on the CPU; past the
 largest bucket, proportional to rows. docs/verify_budget.md has the why.
@@ -36,8 +37,30 @@ SWEEP_REPS = 3  # start-up steps per bucket (their median), after one warm-up
 SWEEP_CONTEXT = 128  # context tokens per synthetic request
 
 
+class MachineSpeed:
+    """The machine's speed now, as seconds over the price, on steps of priced buckets: real
+    steps are kept divided by it, so a bucket measured while the machine was slow keeps its
+    price relative to the others once it is fast again (it may not be run again). Shared by
+    twin curves, so their prices stay in one unit."""
+
+    def __init__(self) -> None:
+        self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self.value = 1.0
+
+    def add(self, ratio: float) -> None:
+        self._ratios.append(ratio)
+        if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
+            self.value = statistics.median(self._ratios)
+
+
 class StepCostCurve:
-    def __init__(self, buckets: list[int], startup: list[float], padded: bool) -> None:
+    def __init__(
+        self,
+        buckets: list[int],
+        startup: list[float],
+        padded: bool,
+        speed: MachineSpeed | None = None,
+    ) -> None:
         assert buckets == sorted(set(buckets)) and len(startup) == len(buckets)
         self.buckets = np.asarray(buckets, dtype=np.int64)
         self.startup = np.asarray(startup, dtype=np.float64)
@@ -46,11 +69,17 @@ class StepCostCurve:
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
-        # the machine's speed now, as seconds over the price, on steps of priced buckets: real
-        # steps are kept divided by it, so a bucket measured while the machine was slow keeps
-        # its price relative to the others once it is fast again (it may not be run again)
-        self._ratios: deque[float] = deque(maxlen=WINDOW)
-        self.speed = 1.0
+        self._speed = speed if speed is not None else MachineSpeed()
+
+    @property
+    def speed(self) -> float:
+        return self._speed.value
+
+    def twin(self) -> StepCostCurve:
+        """A curve of the same buckets and machine speed, priced at this one's start-up sweep
+        until its own real steps price it (optimistic: a dearer kind of step is chosen, run and
+        corrected)."""
+        return StepCostCurve(self.buckets.tolist(), self.startup.tolist(), self.padded, self._speed)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A real decode/verify step of `rows` total rows took `seconds`."""
@@ -65,9 +94,7 @@ class StepCostCurve:
             self._warm[i] = True
             return
         if self._priced(i):
-            self._ratios.append(seconds / self._value[i])
-            if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
-                self.speed = statistics.median(self._ratios)
+            self._speed.add(seconds / self._value[i])
         self._real[i].append(seconds / self.speed)
         if len(self._real[i]) >= SWEEP_REPS:
             self._value[i] = statistics.median(self._real[i])

@@ -9,11 +9,19 @@ grows along a request's drafts; ties to the earlier position, then request). Zer
 never verified; M = 0 is a plain step, costing what a plain step costs. Monotone: scaling every
 survival up never lowers the chosen M under a non-decreasing curve.
 
+A model drafter drafting on the device (EAGLE-3 head, draft model) runs its chain in the step
+that drafts, whatever the next step verifies, so drafting itself is a choice: `plan` compares
+steady drafting, (n + the best M survivals) / drafting_step_time(n + M), with plain decoding,
+n / step_time(n), on two curves of real steps (drafting and not); a step that does not draft is
+a plain step and its drafter catches up when drafting resumes. Exploration drafts after a run
+of plain steps that doubles while drafting keeps losing (EXPLORE_EVERY to EXPLORE_EVERY ** 2).
+
 survivals(confidences) -> [n, k]; choose(...) -> BudgetChoice; split_rows(surv, total): the same
 split by tensor ops with no host sync (for a device split inside a CUDA graph; not used by the
 engine yet). VerifyBudget: the engine's chooser against its curve (allot: the drafts each
-request verifies, with exploration and metrics; observe_step: a real step refines the curve).
-docs/verify_budget.md explains where the confidences come from under overlap and why.
+request verifies, with exploration and metrics; plan: allot and the drafting choice;
+observe_step: a real step refines its curve). docs/verify_budget.md explains where the
+confidences come from under overlap and why.
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ if TYPE_CHECKING:
 # start would otherwise never be corrected. One request's k rows: a small share of any step
 # with more than a few requests.
 EXPLORE_EVERY = 16
+
+
+class StepPlan(NamedTuple):
+    keep: list[int]  # [n] drafts request i verifies in this step (of those in the pool)
+    draft: bool  # the step's model drafter drafts (for the step after it)
 
 
 class BudgetChoice(NamedTuple):
@@ -91,9 +104,25 @@ def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
     return taken.view(k, n).sum(0)
 
 
+def _in_room(surv: np.ndarray, room: Sequence[int] | None) -> np.ndarray:
+    if room is None:
+        return surv
+    k = surv.shape[1]
+    return np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
+
+
 class VerifyBudget:
-    def __init__(self, curve: StepCostCurve, max_rows: int) -> None:
+    def __init__(
+        self, curve: StepCostCurve, max_rows: int, drafting: StepCostCurve | None = None
+    ) -> None:
         self.curve, self.max_rows = curve, max_rows
+        # steps whose model drafter drafts (curve: the steps that do not); None: drafting is
+        # not a choice (host drafters plan before they draft; golden and n-gram always draft)
+        self.drafting = drafting
+        self.num_drafting_steps = 0  # plans that drafted
+        self.num_plain_steps = 0  # plans that did not
+        self._plain_run = 0  # plans since the last that drafted
+        self._backoff = 1  # the exploration interval, in EXPLORE_EVERY, while drafting loses
         self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
         self.chosen_rows = 0  # draft rows it chose
         self.expected_accepted = 0.0  # the survivals of the kept drafts
@@ -108,30 +137,70 @@ class VerifyBudget:
             engine.max_num_batched_tokens, engine.config.max_num_seqs * (1 + engine.slot_pool.k)
         )
         curve = startup_curve(engine, capture_sizes(rows), cache_root)
-        return cls(curve, engine.max_num_batched_tokens)
+        dd = engine.device_drafting
+        drafting = curve.twin() if dd is not None and dd.model_drafter is not None else None
+        return cls(curve, engine.max_num_batched_tokens, drafting)
 
     def choose(
-        self, surv: np.ndarray, base_rows: int, room: Sequence[int] | None = None
+        self,
+        surv: np.ndarray,
+        base_rows: int,
+        room: Sequence[int] | None = None,
+        curve: StepCostCurve | None = None,
     ) -> BudgetChoice:
-        return choose(surv, base_rows, self.curve.times, self.max_rows, room)
+        times = (curve or self.curve).times
+        return choose(surv, base_rows, times, self.max_rows, room)
 
-    def observe_step(self, total_q: int, seconds: float) -> None:
-        self.curve.observe(total_q, seconds)
+    def observe_step(self, total_q: int, seconds: float, drafted: bool = True) -> None:
+        """A real decode/verify step; `drafted`: its model drafter drafted in it."""
+        self.curve_of(drafted).observe(total_q, seconds)
+
+    def plan(
+        self,
+        surv: np.ndarray,
+        base_rows: int,
+        room: Sequence[int],
+        has_drafts: np.ndarray,
+        may_draft: bool,
+    ) -> StepPlan:
+        """A model drafter's step (self.drafting set): whether it drafts, by steady drafting's
+        expected tokens per second against plain decoding's, at these survivals [n, k] (a plain
+        step costs what a plain step costs by construction); and the drafts each request
+        verifies, of those it has (has_drafts [n] bool), priced on the curve of the step's
+        kind. may_draft: no request would have to catch up behind drafts still in flight.
+        Exploration: after EXPLORE_EVERY * backoff plain plans, one that drafts (its
+        confidences read back are the next plans'); backoff doubles each time, up to
+        EXPLORE_EVERY, and is 1 again once drafting pays."""
+        assert self.drafting is not None
+        surv = _in_room(surv, room)
+        d = self.choose(surv, base_rows, curve=self.drafting)
+        merit = d.expected_tokens / d.step_time > base_rows / self.curve(base_rows)
+        explore = not merit and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff
+        draft = may_draft and (merit or explore)
+        if draft:
+            self._backoff = 1 if merit else min(2 * self._backoff, EXPLORE_EVERY)
+        self._plain_run = 0 if draft else self._plain_run + 1
+        self.num_drafting_steps += draft
+        self.num_plain_steps += not draft
+        held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], surv, 0.0)
+        return StepPlan(self.allot(held, base_rows, curve=self.curve_of(draft)), draft)
+
+    def curve_of(self, drafted: bool) -> StepCostCurve:
+        return self.drafting if drafted and self.drafting is not None else self.curve
 
     def allot(
         self,
         surv: np.ndarray,
         base_rows: int,
         room: Sequence[int] | None = None,
+        curve: StepCostCurve | None = None,
     ) -> list[int]:
         """The drafts each request verifies: choose() against the curve, every EXPLORE_EVERY-th
         call one request's drafts all verified, the metrics kept. The step is priced as the
         decode step of these requests: prompt chunks beside it are work the run does anyway,
         so a draft row costs the run one row either way."""
-        if room is not None:
-            k = surv.shape[1]
-            surv = np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
-        keep = self.choose(surv, base_rows).num_verify.tolist()
+        surv = _in_room(surv, room)
+        keep = self.choose(surv, base_rows, curve=curve).num_verify.tolist()
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
             self._explore(surv, keep, base_rows)

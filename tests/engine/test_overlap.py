@@ -330,7 +330,9 @@ def test_only_decode_shaped_steps_price_the_step_cost_curve(overlap):
     eng._launch = launch
     recorded = []
     real = eng.budget.observe_step
-    eng.budget.observe_step = lambda rows, secs: recorded.append((rows, secs)) or real(rows, secs)
+    eng.budget.observe_step = lambda rows, secs, *kind: (
+        recorded.append((rows, secs)) or real(rows, secs, *kind)
+    )
     _run(llm, prompts, sp)
     assert recorded and all(secs > 0 for _, secs in recorded)
     decode_rows = {rows for rows, n, drafts in shapes if rows == n + drafts}
@@ -349,7 +351,7 @@ def test_idle_time_between_runs_is_no_step_s_cost():
     eng = llm.engine
     seen = []
     real = eng.budget.observe_step
-    eng.budget.observe_step = lambda rows, secs: seen.append(secs) or real(rows, secs)
+    eng.budget.observe_step = lambda rows, secs, *kind: seen.append(secs) or real(rows, secs, *kind)
     llm.generate(prompts_of([12, 30]), sp, use_tqdm=False)
     n = len(seen)
     time.sleep(0.5)
@@ -370,7 +372,7 @@ def test_a_step_left_in_flight_across_an_idle_pause_is_no_step_s_cost():
     eng = llm.engine
     seen = []
     real = eng.budget.observe_step
-    eng.budget.observe_step = lambda rows, secs: seen.append(secs) or real(rows, secs)
+    eng.budget.observe_step = lambda rows, secs, *kind: seen.append(secs) or real(rows, secs, *kind)
     left_in_flight = 0
     for _ in range(3):
         ids = {eng.add_request(p, sp).request_id for p in prompts_of([12, 7, 9])}

@@ -300,7 +300,9 @@ def _draft_model_engine(tmp_path, draft: str, **kw) -> dict:
     (tmp_path / "config.json").write_text(json.dumps(dict(PRESETS["tiny"], num_hidden_layers=1)))
     model = "self" if draft == "self" else f"dummy:{tmp_path}"
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    return dict(max_num_seqs=8, overlap=True, speculative_config=spec | {"verify_budget": "off"})
+    return (
+        dict(max_num_seqs=8, overlap=True, speculative_config=spec | {"verify_budget": "off"}) | kw
+    )
 
 
 def _padded_draft_model(llm):
@@ -380,7 +382,7 @@ def _budgeted(rate: float, cost, k: int = 4):
     budget = llm.engine.budget
     assert budget is not None and llm.engine.device_drafting is not None
     budget.curve = curve_of([int(b) for b in budget.curve.buckets], cost)
-    budget.observe_step = lambda rows, seconds: None
+    budget.observe_step = lambda *step: None
     rows: list[tuple[int, int]] = []  # (decode requests, rows) of each decode-shaped step
     launch = llm.engine._launch
 
@@ -444,3 +446,42 @@ def test_min_tokens_masks_rows_by_their_true_output_index(temperature):
         llm = make_llm(max_num_seqs=4, overlap=True, speculative_config=spec)
         assert _run(llm, prompts, sp) == want
     assert all(len(o) >= 7 for o, _, _ in want)
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["eager", "graph-tail"])
+def test_draft_model_drafting_resumes_where_its_kv_ends(tmp_path, target, buckets):
+    """Steps that do not draft (a seeded coin for the budget's choice) are plain steps; when
+    drafting resumes the draft model catches up from the length after the last step that
+    drafted, its anchor in flight from next_tokens. Outputs are speculation off's and each
+    drafting step drafts what a run drafting at every length (verifying none) drafts at the
+    same request and length. graph-tail: on the bucket layout, steady steps drafting inside
+    the target's graph tail, plain ones sampling in the plain tail (the drafts logged are the
+    eager hook's only: outputs and accepts judge it). The target (the EAGLE-3 tests', whose
+    outputs depend on their context) drafts for itself."""
+    from tests.speculative.drafting_spy import coin_drafting, log_drafts
+    from tests.speculative.fake_graphs import on_buckets
+
+    prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = _run(make_llm(model=target[0], max_num_seqs=8), prompts, sp)
+    runs, logs, choices = [], [], []
+    for every in (True, False):
+        kw = _draft_model_engine(tmp_path, "self", enforce_eager=buckets, model=target[0])
+        kw["speculative_config"] = kw["speculative_config"] | {"verify_budget": "auto"}
+        llm = make_llm(**kw, debug_invariants=True)
+        if buckets:
+            _padded_draft_model(llm)
+            on_buckets(llm, True)
+        choices.append(coin_drafting(llm, seed=5, p=1.0 if every else 0.5, verify=not every))
+        logs.append(log_drafts(llm))
+        runs.append(_run(llm, prompts, sp))
+        assert llm.engine.num_sync_steps == 0
+    assert runs[0] == runs[1] == want
+    assert all(choices[0]) and 0 < sum(choices[1]) < len(choices[1])
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0
+    if buckets:
+        g = llm.engine.runner.graphs
+        assert g.num_drafted_tail_runs > 0 and g.num_tail_runs > g.num_drafted_tail_runs
+        return
+    assert logs[1].keys() <= logs[0].keys() and len(logs[1]) > 20
+    assert all(logs[0][key] == logs[1][key] for key in logs[1])

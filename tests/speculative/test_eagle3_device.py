@@ -9,7 +9,9 @@ import pytest
 from specserve import SamplingParams
 from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
 from specserve.speculative.eagle3_chain import Eagle3Chain
+from specserve.speculative.verify_budget import EXPLORE_EVERY
 from tests.engine.conftest import make_llm
+from tests.speculative.drafting_spy import coin_drafting, log_drafts
 from tests.speculative.eagle3_heads import _ids, _spec
 from tests.speculative.fake_graphs import FakeGraphs, on_buckets
 
@@ -152,3 +154,65 @@ def test_steady_greedy_steps_draft_in_the_graph_tail(target, prompts, ref, heads
     assert g.num_drafted_tail_runs == runs
     assert eng.block_manager.num_used_blocks == 0 and eng.slot_pool.num_in_use == 0
     assert eng.slot_pool.rejected[0].item() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_resumes_where_the_heads_kv_ends(target, prompts, ref, heads, temperature):
+    """A step may not draft (VerifyBudget.plan; here a seeded coin): it is a plain step, and the
+    head catches up over every position since the last step that drafted when drafting
+    resumes, its anchor still in flight read from next_tokens. Greedy outputs are speculation
+    off's, and every drafting step drafts what a run drafting every step drafts at the same
+    request and length (a wrong catch-up token or position changes the random head's
+    drafts); sampled runs repeat themselves. Preemptions (catch-ups from 0) on the way."""
+    kw = dict(
+        model=target[0], max_num_seqs=8, overlap=True, debug_invariants=True,
+        kv_cache_memory_gb=10 * 16384 / 2**30, max_num_batched_tokens=48,
+    )  # fmt: skip
+    every = make_llm(**kw, speculative_config=_spec(heads["random"], k=3, verify_budget="off"))
+    some = make_llm(**kw, speculative_config=_spec(heads["random"], k=3))
+    choices = coin_drafting(some, seed=7)
+    logs = log_drafts(every), log_drafts(some)
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True)
+    outs = some.generate(prompts, sp, use_tqdm=False)
+    if temperature == 0.0:
+        assert _ids(outs) == ref == _ids(every.generate(prompts, sp, use_tqdm=False))
+        common = logs[0].keys() & logs[1].keys()
+        assert len(common) > 20
+        assert all(logs[0][key] == logs[1][key] for key in common)
+    else:
+        assert _ids(outs) == _ids(some.generate(prompts, sp, use_tqdm=False))
+    assert 0 < sum(choices) < len(choices)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert some.engine.num_sync_steps == 0 and some.get_metrics()["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("chain_cost", [0.0, 100.0])
+def test_the_budget_drafts_with_the_head_only_where_its_chain_pays(
+    target, prompts, ref, heads, chain_cost
+):
+    """VerifyBudget.plan with the head: priced as free, the chain drafts in nearly every step
+    (not where no request has room for drafts, near max_tokens: a tie, and a plain step's
+    price is known); priced dearer than any drafts can yield, it drafts only to explore
+    and every other step is a plain one (no chain, no feed: the sampling of a step without
+    speculation). Outputs are speculation off's either way."""
+    from tests.speculative.conftest import curve_of
+
+    llm = make_llm(
+        model=target[0], max_num_seqs=8, overlap=True, debug_invariants=True,
+        speculative_config=_spec(heads["copy"], k=3),
+    )  # fmt: skip
+    budget = llm.engine.budget
+    buckets = [int(b) for b in budget.curve.buckets]
+    budget.curve = curve_of(buckets, lambda r: 1.0 + 0.001 * r)
+    budget.drafting = curve_of(buckets, lambda r: 1.0 + 0.001 * r + chain_cost)
+    budget.observe_step = lambda *step: None
+    hooks = log_drafts(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert _ids(outs) == ref
+    drafting, plain = budget.num_drafting_steps, budget.num_plain_steps
+    if chain_cost:
+        assert 0 < drafting <= plain // EXPLORE_EVERY + 1
+        # the head ran for each request in those steps and the first (prompts, before a plan)
+        assert len(hooks) <= len(prompts) * (drafting + 1) < len(prompts) * 24 / 4
+    else:
+        assert drafting > 4 * plain and llm.get_metrics()["spec_accepted_tokens"] > 0

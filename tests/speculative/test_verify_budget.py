@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.speculative.verify_budget import VerifyBudget, choose, split_rows, survivals
+from specserve.speculative.step_cost import SWEEP_REPS
+from specserve.speculative.verify_budget import (
+    EXPLORE_EVERY,
+    VerifyBudget,
+    choose,
+    split_rows,
+    survivals,
+)
 from tests.speculative.conftest import conf_matrix, curve_of
 
 BUCKETS = [1, 2, 4, 8, 16, 24, 32]
@@ -189,3 +196,50 @@ def test_the_engine_verifies_no_draft_of_zero_confidence_and_sure_ones_at_batch_
     else:
         assert calls and m["verify_budget_offered_draft_rows"] > 0
         assert m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0
+
+
+def _model_budget() -> VerifyBudget:
+    """A budget whose plain steps are priced 1 + 0.01 rows and whose drafting curve starts
+    at the plain prices, as the engine's."""
+    curve = curve_of(BUCKETS, lambda b: 1.0 + 0.01 * b, padded=True)
+    return VerifyBudget(curve, max_rows=32, drafting=curve.twin())
+
+
+def _plans(budget: VerifyBudget, conf: float, steps: int, extra: float, may: bool = True):
+    """Plans of 4 requests at confidence conf, each step then run and timed on its curve."""
+    surv = survivals(np.full((4, 3), conf))
+    has = np.zeros(4, dtype=bool)
+    out = []
+    for _ in range(steps):
+        plan = budget.plan(surv, 4, [3] * 4, has, may)
+        rows = 4 + sum(plan.keep)
+        assert all(k == 0 for k, h in zip(plan.keep, has) if not h)  # only drafts it has
+        budget.observe_step(rows, 1.0 + 0.01 * rows + extra * plan.draft, plan.draft)
+        has[:] = plan.draft
+        out.append(plan)
+    return out
+
+
+def test_drafting_is_chosen_when_it_pays_and_real_steps_correct_a_wrong_start():
+    """Confident drafts and a chain that costs little: every step drafts and verifies its
+    drafts. A chain dearer than its drafts can yield: the optimistic start drafts, its real
+    steps price the drafting curve, and from then on only exploration drafts."""
+    cheap = _plans(_model_budget(), 0.9, 40, extra=0.1)
+    assert all(p.draft for p in cheap) and all(sum(p.keep) > 0 for p in cheap[1:])
+    dear = _plans(_model_budget(), 0.9, 200, extra=5.0)
+    first_plain = next(i for i, p in enumerate(dear) if not p.draft)
+    # the buckets it drafts in (the first step's, then with its drafts) priced: a warm-up each
+    assert 0 < first_plain <= 2 * (1 + SWEEP_REPS) + 1
+    assert sum(p.draft for p in dear[first_plain:]) <= 200 // EXPLORE_EVERY
+
+
+def test_zero_confidence_drafts_only_to_explore_and_ever_more_rarely():
+    """Drafts that cannot be accepted are never worth a chain: a step drafts only to refresh
+    its confidences, after EXPLORE_EVERY plain steps, then twice as many each time, up to
+    EXPLORE_EVERY ** 2; a step that may not draft (drafts in flight to settle) never does."""
+    plans = _plans(_model_budget(), 0.0, 2000, extra=0.0)
+    at = [i for i, p in enumerate(plans) if p.draft]
+    gaps = np.diff([-1, *at]).tolist()
+    assert gaps[:5] == [EXPLORE_EVERY * 2**j for j in range(5)]
+    assert max(gaps) == EXPLORE_EVERY**2 and all(sum(p.keep) == 0 for p in plans)
+    assert not any(p.draft for p in _plans(_model_budget(), 1.0, 50, 0.0, may=False))
