@@ -330,6 +330,10 @@ class LLMEngine:
             self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)
         if self.budget is not None:
             self._time_step(launched)
+            if launched.from_drafts and host is not None:
+                rows = sum(1 + m for m, sm in zip(batch.num_drafts, batch.samples) if sm)
+                n = len(host.num_accepted)
+                self.budget.observe_yield(n, n + sum(host.num_accepted), rows)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
         if self.device_drafting is not None and host is not None:

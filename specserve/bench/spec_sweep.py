@@ -311,6 +311,9 @@ def _budget_state(llm) -> dict[str, Any]:
         "verify_budget_chosen_draft_rows",
         "verify_budget_expected_accepted_tokens",
         "verify_budget_seqlens_q",
+        "verify_budget_drafting_steps",
+        "verify_budget_plain_steps",
+        "drafting_step_cost_curve",
     )
     return {k: m.get(k) for k in keys}
 

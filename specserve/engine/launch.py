@@ -74,6 +74,7 @@ class LaunchedStep:
     forward: Future | None = None  # CPU worker: its forward
     timed: bool = True  # its readback period prices the step-cost curve (llm_engine._time_step)
     drafted: bool = True  # a model drafter drafted in it (the budget's curve of its kind)
+    from_drafts: bool = False  # it verifies a model drafter's drafts (the budget's yield)
 
 
 def settle(launched: LaunchedStep) -> None:
@@ -108,6 +109,8 @@ class Launcher:
         inputs = eng.runner.prepare(batch)
         admitted = dd.admit(batch.admitted) if dd is not None and batch.admitted else None
         drafted = dd is None or dd.drafting_now
+        # it verifies what a model drafter's drafting step made for each of its requests
+        from_drafts = dd is not None and dd.model_drafter is not None and dd.all_drafted(seqs)
         if dd is not None and dd.plain(batch):
             dd = None  # a model drafter's step that does not draft: a plain step
         hook, plan_args = None, {}
@@ -133,7 +136,7 @@ class Launcher:
             hook = dd.step_hook(seqs, plan_args["anchor_pos"], nd, eng.runner.next_tokens)
         if has_dd and seqs:
             eng.device_drafting.launched(seqs)
-        step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted)
+        step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted, from_drafts=from_drafts)
         logits: torch.Tensor | None = None  # inline (no worker): the forward's output
 
         def forward() -> torch.Tensor | SampledTail:  # [total_q, V]

@@ -169,6 +169,10 @@ class DeviceDrafting:
             and not any(batch.shifts)
         )
 
+    def all_drafted(self, seqs: list[Sequence]) -> bool:
+        """Was each request drafted for in its latest step (before this one is launched)?"""
+        return bool(seqs) and all(self.drafted[s.slot] for s in seqs)
+
     def launched(self, seqs: list[Sequence]) -> None:
         """A step of these sampling requests is launched (after its hook was laid out)."""
         for s in seqs:

@@ -11,10 +11,11 @@ survival up never lowers the chosen M under a non-decreasing curve.
 
 A model drafter drafting on the device (EAGLE-3 head, draft model) runs its chain in the step
 that drafts, whatever the next step verifies, so drafting itself is a choice: `plan` compares
-steady drafting, (n + the best M survivals) / drafting_step_time(n + M), with plain decoding,
-n / step_time(n), on two curves of real steps (drafting and not); a step that does not draft is
-a plain step and its drafter catches up when drafting resumes. Exploration drafts after a run
-of plain steps that doubles while drafting keeps losing (EXPLORE_EVERY to EXPLORE_EVERY ** 2).
+what drafting realized in recent steps (tokens per request over a drafting step's price on its
+own curve, at the rows it took) with plain decoding, n / step_time(n); a step that does not
+draft is a plain step and its drafter catches up when drafting resumes. Exploration measures
+the yield afresh after a run of plain steps that doubles while drafting keeps losing
+(EXPLORE_EVERY to EXPLORE_EVERY ** 2).
 
 survivals(confidences) -> [n, k]; choose(...) -> BudgetChoice; split_rows(surv, total): the same
 split by tensor ops with no host sync (for a device split inside a CUDA graph; not used by the
@@ -26,7 +27,7 @@ confidences come from under overlap and why.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from specserve.runner.cuda_graph import capture_sizes
-from specserve.speculative.step_cost import StepCostCurve, startup_curve
+from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, startup_curve
 
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
@@ -123,6 +124,9 @@ class VerifyBudget:
         self.num_plain_steps = 0  # plans that did not
         self._plain_run = 0  # plans since the last that drafted
         self._backoff = 1  # the exploration interval, in EXPLORE_EVERY, while drafting loses
+        self._exploring = False  # drafting to measure its yield afresh
+        # (requests, tokens, rows) of recent steps that verified a drafting step's drafts
+        self._yield: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)
         self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
         self.chosen_rows = 0  # draft rows it chose
         self.expected_accepted = 0.0  # the survivals of the kept drafts
@@ -155,6 +159,21 @@ class VerifyBudget:
         """A real decode/verify step; `drafted`: its model drafter drafted in it."""
         self.curve_of(drafted).observe(total_q, seconds)
 
+    def observe_yield(self, requests: int, tokens: int, rows: int) -> None:
+        """A real step that verified the drafts a drafting step made for its requests: the
+        tokens they emitted and the rows they took (anchors + drafts)."""
+        self._yield.append((requests, tokens, rows))
+
+    def drafting_pays(self, n: int) -> bool:
+        """Does steady drafting beat plain decoding for n requests, by what drafting yielded
+        per request in the recent steps that verified drafts (tokens, rows) and the two curves?
+        Unmeasured: yes (optimistic, as the curves: it is tried, then measured)."""
+        if not self._yield:
+            return True
+        reqs, tokens, rows = (sum(col) for col in zip(*self._yield))
+        per_step = self.drafting(max(n, round(n * rows / reqs)))
+        return n * tokens / reqs / per_step > n / self.curve(n)
+
     def plan(
         self,
         surv: np.ndarray,
@@ -163,26 +182,30 @@ class VerifyBudget:
         has_drafts: np.ndarray,
         may_draft: bool,
     ) -> StepPlan:
-        """A model drafter's step (self.drafting set): whether it drafts, by steady drafting's
-        expected tokens per second against plain decoding's, at these survivals [n, k] (a plain
-        step costs what a plain step costs by construction); and the drafts each request
-        verifies, of those it has (has_drafts [n] bool), priced on the curve of the step's
-        kind. may_draft: no request would have to catch up behind drafts still in flight.
-        Exploration: after EXPLORE_EVERY * backoff plain plans, one that drafts (its
-        confidences read back are the next plans'); backoff doubles each time, up to
-        EXPLORE_EVERY, and is 1 again once drafting pays."""
+        """A model drafter's step (self.drafting set): whether it drafts (drafting_pays: the
+        drafter's realized yield over recent steps, not one step's confidences, which swing
+        from token to token while a switch costs a catch-up), and the drafts each request
+        verifies, of those it has (has_drafts [n] bool), chosen by their survivals [n, k]
+        against the curve of the step's kind. A step that does not draft is a plain step by
+        construction. may_draft: no request would catch up behind drafts still in flight.
+        Exploration: after EXPLORE_EVERY * backoff plain plans the yield is measured afresh
+        (drafting until SWEEP_REPS steps have verified drafts); backoff doubles each time, up
+        to EXPLORE_EVERY, and is 1 again once drafting pays."""
         assert self.drafting is not None
-        surv = _in_room(surv, room)
-        d = self.choose(surv, base_rows, curve=self.drafting)
-        merit = d.expected_tokens / d.step_time > base_rows / self.curve(base_rows)
-        explore = not merit and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff
-        draft = may_draft and (merit or explore)
-        if draft:
-            self._backoff = 1 if merit else min(2 * self._backoff, EXPLORE_EVERY)
+        if self._exploring and len(self._yield) >= SWEEP_REPS:
+            self._exploring = False
+        want = self._exploring or self.drafting_pays(base_rows)
+        if want and not self._exploring:
+            self._backoff = 1
+        elif not want and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff:
+            self._yield.clear()
+            self._exploring, want = True, True
+            self._backoff = min(2 * self._backoff, EXPLORE_EVERY)
+        draft = may_draft and want
         self._plain_run = 0 if draft else self._plain_run + 1
         self.num_drafting_steps += draft
         self.num_plain_steps += not draft
-        held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], surv, 0.0)
+        held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], _in_room(surv, room), 0.0)
         return StepPlan(self.allot(held, base_rows, curve=self.curve_of(draft)), draft)
 
     def curve_of(self, drafted: bool) -> StepCostCurve:

@@ -9,6 +9,7 @@ import pytest
 from specserve import SamplingParams
 from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
 from specserve.speculative.eagle3_chain import Eagle3Chain
+from specserve.speculative.step_cost import SWEEP_REPS
 from specserve.speculative.verify_budget import EXPLORE_EVERY
 from tests.engine.conftest import make_llm
 from tests.speculative.drafting_spy import coin_drafting, log_drafts
@@ -190,11 +191,11 @@ def test_drafting_resumes_where_the_heads_kv_ends(target, prompts, ref, heads, t
 def test_the_budget_drafts_with_the_head_only_where_its_chain_pays(
     target, prompts, ref, heads, chain_cost
 ):
-    """VerifyBudget.plan with the head: priced as free, the chain drafts in nearly every step
-    (not where no request has room for drafts, near max_tokens: a tie, and a plain step's
-    price is known); priced dearer than any drafts can yield, it drafts only to explore
-    and every other step is a plain one (no chain, no feed: the sampling of a step without
-    speculation). Outputs are speculation off's either way."""
+    """VerifyBudget.plan with the head: its chain priced as free, it drafts in nearly every
+    step (the copy head's drafts are accepted: drafting yields more than a plain step);
+    priced dearer than any drafts can yield, it drafts only to measure its yield (at first,
+    then to explore) and every other step is a plain one (no chain, no feed: the sampling of
+    a step without speculation). Outputs are speculation off's either way."""
     from tests.speculative.conftest import curve_of
 
     llm = make_llm(
@@ -211,7 +212,8 @@ def test_the_budget_drafts_with_the_head_only_where_its_chain_pays(
     assert _ids(outs) == ref
     drafting, plain = budget.num_drafting_steps, budget.num_plain_steps
     if chain_cost:
-        assert 0 < drafting <= plain // EXPLORE_EVERY + 1
+        # the first measurement and each exploration: drafting until SWEEP_REPS steps verified
+        assert 0 < drafting <= (plain // EXPLORE_EVERY + 1) * (1 + SWEEP_REPS)
         # the head ran for each request in those steps and the first (prompts, before a plan)
         assert len(hooks) <= len(prompts) * (drafting + 1) < len(prompts) * 24 / 4
     else:
