@@ -111,11 +111,15 @@ class Launcher:
         drafted = dd is None or dd.drafting_now
         # it verifies what a model drafter's drafting step made for each of its requests
         from_drafts = dd is not None and dd.model_drafter is not None and dd.all_drafted(seqs)
-        if dd is not None and dd.plain(batch):
+        plain = dd is not None and dd.plain(batch)
+        if plain:
             dd = None  # a model drafter's step that does not draft: a plain step
-        hook, plan_args = None, {}
+        hook, plan_args, gap = None, {}, None
         if dd is not None and seqs:
             plan_args = self._device_feed(batch)
+            rows = zip(batch.query_lens, batch.num_drafts, batch.samples)
+            decode = [q == 1 + m for q, m, sm in rows if sm]  # no prompt chunk
+            gap = dd.gap(seqs, plan_args["anchor_pos"], decode, eng.runner.next_tokens)
         draft_q = eng.speculator.draft_q(seqs, drafts) if eng.speculator and seqs else None
         # the token each request sampled: the next overlapped step (or drafting step) reads it
         has_dd = eng.device_drafting is not None
@@ -132,18 +136,21 @@ class Launcher:
                 if pack_tail(seqs, drafts, inputs.tail_views(), feed):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
         if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
-            nd = [len(d) for d in drafts]
-            hook = dd.step_hook(seqs, plan_args["anchor_pos"], nd, eng.runner.next_tokens)
+            hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])
         if has_dd and seqs:
             eng.device_drafting.launched(seqs)
         step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted, from_drafts=from_drafts)
+        if has_dd and eng.device_drafting.model_drafter is not None:
+            # the budget's curves price plain steps and steady drafting ones: a switch between
+            # them (a catch-up, drafts verified with the chain idle) is neither
+            step.timed = plain or (drafted and from_drafts)
         logits: torch.Tensor | None = None  # inline (no worker): the forward's output
 
         def forward() -> torch.Tensor | SampledTail:  # [total_q, V]
             if admitted:
                 eng.device_drafting.apply(admitted)
-            if hook is not None and hook.before is not None:
-                hook.before()
+            if gap is not None:
+                gap()
             return eng.runner.forward(inputs)
 
         def plan() -> SamplerPlan | None:

@@ -79,13 +79,59 @@ def pack_catch_up(
     )
 
 
-def prefix_rows(seq: Sequence, lo: int, hi: int) -> tuple[list[int], list[int]]:
+def pack_gap(
+    seqs: list[Sequence],
+    spans: list[tuple[int, int]],
+    shift: int,
+    block_size: int,
+    trash: int,
+    device: torch.device,
+    min_width: int = 0,
+) -> CatchUp:
+    """A gap catch-up (device_drafting.DeviceDrafting.gap): request i's rows at positions
+    [a, b) = spans[i], feeding its tokens [a + shift, b + shift) (b + shift - 1: its anchor,
+    in flight or on the host); every row a prefix row."""
+    rows: tuple[list[int], list[int], list[int], list[int], list[bool]] = ([], [], [], [], [])
+    tokens, emit_at, positions, row_req, verify_row = rows
+    for i, (seq, (a, b)) in enumerate(zip(seqs, spans)):
+        toks, feed = prefix_rows(seq, a + shift, b + shift, in_flight=True)
+        tokens += toks
+        emit_at += feed
+        positions += range(a, b)
+        row_req += [i] * (b - a)
+        verify_row += [False] * (b - a)
+    qlens = [b - a for a, b in spans]
+    tables = [s.block_table.blocks for s in seqs]
+    top = max(b for _, b in spans)
+    return pack_catch_up(rows, qlens, qlens, tables, top, block_size, trash, device, min_width)
+
+
+def gap_context(lay: CatchUp, block_size: int) -> tuple[torch.Tensor, ForwardContext]:
+    """The KV slot of each gap row [C] int64 and the gap's ForwardContext."""
+    slots = kv_slots(lay.block_tables, lay.row_req, lay.positions, block_size)
+    start = lay.positions[lay.cu_query_lens[:-1].to(torch.int64)]
+    ctx = ForwardContext(
+        query_lens=lay.query_lens,
+        cu_query_lens=lay.cu_query_lens,
+        context_lens=(lay.query_lens.to(torch.int64) + start).to(torch.int32),
+        block_tables=lay.block_tables,
+        slot_mapping=slots,
+        max_query_len=lay.max_query_len,
+        max_context_len=lay.max_context_len,
+    )
+    return slots, ctx
+
+
+def prefix_rows(
+    seq: Sequence, lo: int, hi: int, in_flight: bool = False
+) -> tuple[list[int], list[int]]:
     """The tokens [lo, hi) of a request that catches up (hi - 1: its anchor) and their emit_at:
-    0 (a host token), or -1 for an anchor the step in flight has yet to bring to the host."""
+    0 (a host token), or -1 for an anchor the step in flight has yet to bring to the host
+    (in_flight: the catch-up reads it on the device)."""
     toks = seq.token_ids[lo:hi]
     if len(toks) == hi - lo:
         return toks, [0] * len(toks)
-    assert len(toks) == hi - lo - 1 and seq.num_pending, "only the anchor may be in flight"
+    assert in_flight and len(toks) == hi - lo - 1 and seq.num_pending, "a token not on the host"
     return toks + [0], [0] * len(toks) + [-1]
 
 

@@ -20,10 +20,12 @@ for N+1, is still in flight): one step old. A request not yet read back starts a
 
 A model drafter's chain runs in every step that drafts, so with the budget each step also
 chooses whether to draft (VerifyBudget.plan). A step that does not is a plain step: no feed, no
-drafter, no hook (one whose rows still verify or shift by drafts in flight runs the device path
-without drafting). When drafting resumes, a request catches up from the length after the last
-step that drafted for it (read back), its anchor token, still in flight, from next_tokens; the
-budget waits for the request's drafts in flight to settle first (may_draft).
+drafter, no hook (one whose rows still verify or shift by drafts in flight runs the device path,
+in the drafted graph tail when it can, without the drafter's chain). When drafting resumes, a
+request catches up its drafter's KV from the length after the last step that drafted for it
+(read back) to its anchor, ahead of the step's forward (`gap`; the anchor token, still in
+flight, read from next_tokens there), so the step drafts as a steady one; the budget waits for
+the request's drafts in flight to settle first (may_draft).
 """
 
 from __future__ import annotations
@@ -60,17 +62,6 @@ class Admission(NamedTuple):
     tokens: torch.Tensor | None  # [n] int64, n-gram history
     gold: torch.Tensor | None  # [g] int64 golden ids
     coins: torch.Tensor | None  # [g] bool, golden drafter
-
-
-class StepHook:
-    """A step's drafting: `before` queued ahead of its forward (the anchor tokens in flight,
-    for requests that resume drafting), the hook itself after its verification."""
-
-    def __init__(self, after: Callable[..., None], before: Callable[[], None] | None) -> None:
-        self.after, self.before = after, before
-
-    def __call__(self, plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
-        self.after(plan, result, seq_len)
 
 
 class DeviceDrafting:
@@ -145,18 +136,23 @@ class DeviceDrafting:
         def inputs(st: TailStep) -> None:
             md.chain.tail_inputs(st, st.seq_len - prompt_len[st.views.slots])
 
-        return TailDrafting(self.pool, inputs, lambda r: md.chain.replay_tail(r))
+        def after(r: int) -> None:  # a step that does not draft verifies, its chain idle
+            if self.drafting_now:
+                md.chain.replay_tail(r)
+
+        return TailDrafting(self.pool, inputs, after)
 
     def tail_ready(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests may draft in the graph tail (given the tail takes
-        its sampling, sampler_inputs.pack_tail): golden's always; a model drafter's when the
-        step drafts and every request is greedy (sampled drafts are verified against their q:
-        the eager sampler's), without golden ids, and drafted for in its previous step (one
-        that catches up from further back does so eagerly)."""
+        its sampling, sampler_inputs.pack_tail): golden's always; a model drafter's when every
+        request is greedy (sampled drafts are verified against their q: the eager sampler's)
+        without golden ids and, in a step that drafts, caught up to its anchor (drafted for in
+        its previous step, or by `gap`; a prompt's catch-up runs eagerly behind the forward).
+        A step that does not draft runs the tail with its chain idle."""
         if self.model_drafter is None:
             return True
-        return self.drafting_now and all(
-            s.params.greedy and not s.params.golden_token_ids and self.drafted[s.slot] for s in seqs
+        return all(s.params.greedy and not s.params.golden_token_ids for s in seqs) and (
+            not self.drafting_now or self.all_drafted(seqs)
         )
 
     def plain(self, batch: StepBatch) -> bool:
@@ -177,6 +173,34 @@ class DeviceDrafting:
         """A step of these sampling requests is launched (after its hook was laid out)."""
         for s in seqs:
             self.drafted[s.slot] = self.drafting_now
+
+    def gap(
+        self,
+        seqs: list[Sequence],
+        anchor_pos: list[int],
+        decode: list[bool],  # its rows are an anchor and drafts (no prompt chunk)
+        next_tokens: torch.Tensor,  # [slots + 1] int64, the runner's
+    ) -> Callable[[], None] | None:
+        """A model drafter's drafting step: the requests with decode rows that were not drafted
+        for in their previous step catch up their drafter's KV over every position since the
+        last step that did (to the anchor), laid out now and run by the returned callable
+        ahead of the step's forward (the anchors in flight still in next_tokens, the target's
+        hidden states of those positions stored by earlier steps). They then count as drafted
+        for: the step drafts as a steady one."""
+        md = self.model_drafter
+        if md is None or not self.drafting_now:
+            return None
+        behind = [i for i, s in enumerate(seqs) if decode[i] and not self.drafted[s.slot]]
+        if not behind:
+            return None
+        sub = [seqs[i] for i in behind]
+        lay = md.gap_layout(
+            sub, [int(self.kv_len[s.slot]) for s in sub], [anchor_pos[i] for i in behind]
+        )
+        slots = h2d([s.slot for s in sub], torch.int64, self.device)
+        for s in sub:
+            self.drafted[s.slot] = True
+        return lambda: md.catch_up_gap(lay, next_tokens[slots])
 
     def capture(self, backend) -> None:
         """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
@@ -211,18 +235,13 @@ class DeviceDrafting:
         return self.host_conf[self.read].mean(axis=0)
 
     def step_hook(
-        self,
-        seqs: list[Sequence],
-        anchor_pos: list[int],
-        num_drafts: list[int],
-        next_tokens: torch.Tensor,  # [slots + 1] int64, the runner's
-    ) -> StepHook | None:
+        self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
+    ) -> Callable[[SamplerPlan, VerifyResult, torch.Tensor], None] | None:
         """The after_verify of one step (its sampling requests, the KV position of each anchor
         row as laid out, its draft rows): drafts the next step (None: a model drafter's step
         that does not draft). Host inputs are read now: the n-gram confidences (the acceptance
         seen so far), a model drafter's catch-up layout."""
-        conf = lay = before = None
-        anchors: list[torch.Tensor] = []
+        conf = lay = None
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
         if self.ngram is not None:
@@ -231,13 +250,9 @@ class DeviceDrafting:
         if self.model_drafter is not None:
             if not self.drafting_now:
                 return None
-            # None: drafted for in its previous step; else the length its KV is valid to
+            # None: caught up to its anchor; else the length its KV is valid to (a prompt's)
             resume = [None if self.drafted[s.slot] else int(self.kv_len[s.slot]) for s in seqs]
             lay = self.model_drafter.layout(seqs, anchor_pos, num_drafts, resume)
-            if any(r is not None and s.num_pending for r, s in zip(resume, seqs)):
-
-                def before() -> None:  # the tokens in flight, before this step samples anew
-                    anchors.append(next_tokens.clone())
 
         def hook(plan: SamplerPlan, result: VerifyResult, seq_len: torch.Tensor) -> None:
             slots = plan.slots
@@ -252,14 +267,13 @@ class DeviceDrafting:
                 )
                 self.ngram.draft(slots, seq_len, conf, bound)
             elif self.model_drafter is not None:
-                anchor = anchors.pop()[slots] if anchors else None
                 self.model_drafter.draft(
-                    lay, plan, result, seq_len, seq_len - self.prompt_len[slots], anchor
+                    lay, plan, result, seq_len, seq_len - self.prompt_len[slots]
                 )
             else:
                 self.golden.draft(slots, seq_len, self.prompt_len)
 
-        return StepHook(hook, before)
+        return hook
 
     def allot(self, ready: list[Sequence], budget: VerifyBudget, room: list[int]) -> list[int]:
         """The draft rows of each decode-ready request in the next step (room[i]: its most);

@@ -5,11 +5,11 @@ model's KV shares the target's block tables, position p feeds token p).
 
 Catch-up rows of a request, laid out by the host at launch: position p0 + 1 + j feeding the
 token the step emitted at verify row j (rows past the accepted prefix feed garbage the chain
-overwrites or nothing reads), after, when its previous step did not draft for it, the
-positions its KV lacks up to p0: from the length after the last step that drafted for it (0:
-since it (re)started running), tokens known on the host but the anchor, still in flight, from
-next_tokens (`anchor`). Otherwise position p0, the anchor, was fed by the previous round's
-catch-up as that round's last token. Under overlap p0 is known
+overwrites or nothing reads), after, in its step that samples a prompt's last chunk, positions
+0 .. p0 (its tokens, known on the host). Otherwise position p0, the anchor, was fed by the
+previous round's catch-up as that round's last token, or, for a request that resumes drafting,
+ahead of the step's forward (`catch_up_gap`: from the length after the last step that drafted
+for it through p0, the anchor token in flight from next_tokens). Under overlap p0 is known
 only on the device: each request's correction is its host p0 less the true one, from the
 lengths the step just wrote. The k - 1 chained steps then run one row per request at positions
 len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
@@ -34,8 +34,10 @@ from specserve.speculative.catch_up import (
     ChainRows,
     catch_up_tokens,
     draft_confidence,
+    gap_context,
     kv_slots,
     pack_catch_up,
+    pack_gap,
     pick_drafts,
     prefix_rows,
     settled,
@@ -128,7 +130,19 @@ class DraftModelDeviceDrafter:
             self.device,
         )
 
+    def gap_layout(self, seqs: list[Sequence], kv_lens: list[int], anchors: list[int]) -> CatchUp:
+        """Positions len .. p0 of each request (len: its KV's valid length, p0: its anchor's
+        position), each feeding its own token (shift 0)."""
+        spans = [(n, p0 + 1) for n, p0 in zip(kv_lens, anchors)]
+        return pack_gap(seqs, spans, 0, self.block_size, self.trash, self.device)
+
     # -- device -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
+        """The draft model's KV over a gap (anchor [R] int64: each request's anchor token)."""
+        _, ctx = gap_context(lay, self.block_size)
+        self.model(catch_up_tokens(lay, lay.tokens, anchor), lay.positions, self.caches, ctx)
+
     def _logits(
         self, tokens: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
     ) -> torch.Tensor:
@@ -143,7 +157,6 @@ class DraftModelDeviceDrafter:
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
-        anchor: torch.Tensor | None = None,  # [R] int64, each request's anchor token in flight
     ) -> None:
         pool, k = self.pool, self.pool.k
         acc = result.num_accepted
@@ -151,7 +164,7 @@ class DraftModelDeviceDrafter:
         emitted, t = settled(plan, result, num_output)
         if isinstance(lay, SteadyRows):
             return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
-        tokens = catch_up_tokens(lay, emitted, anchor)
+        tokens = catch_up_tokens(lay, emitted, None)
         start = lay.cu_query_lens[:-1].to(torch.int64)
         # the host laid the emitted rows out from p0_host + 1; the true anchor is len - acc - 2
         corr = lay.positions[start + lay.prefix] - 1 - (seq_len - acc - 2)  # [R]

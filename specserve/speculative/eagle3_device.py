@@ -6,9 +6,10 @@ p feeds token p + 1 and the target's fused g_p, from the store its sink filled i
 Catch-up rows of a request, laid out by the host at launch: its verify rows (anchor + drafts),
 position p0 + j feeding the token the step emitted at row j (accepted draft or sampled token;
 rows past the accepted prefix feed garbage that the chain overwrites or nothing reads), and,
-when its previous step did not draft for it, every earlier position its KV lacks: from
-len - 1 of the last step that drafted for it (0: since it (re)started running), its tokens
-known on the host but the anchor, still in flight, taken from next_tokens (`anchor`). Under overlap p0 is known only on the device (the
+in its step that samples a prompt's last chunk, every earlier position (its tokens known on the
+host). A request that resumes drafting with decode rows caught up ahead of the step's forward
+(`catch_up_gap`: positions from len - 1 of the last step that drafted for it to its anchor's,
+the anchor token in flight from next_tokens). Under overlap p0 is known only on the device (the
 step in flight's rejections): each request's correction is its host p0 less the true one,
 taken from the lengths the step just wrote. The k - 1 chained steps then run one row per
 request at positions len - 1, len, ... (the scheduler grows each request's blocks k - 1
@@ -35,8 +36,10 @@ from specserve.speculative.catch_up import (
     CatchUp,
     catch_up_tokens,
     draft_confidence,
+    gap_context,
     kv_slots,
     pack_catch_up,
+    pack_gap,
     pick_drafts,
     prefix_rows,
     settled,
@@ -139,7 +142,21 @@ class Eagle3DeviceDrafter:
             self.width,
         )
 
+    def gap_layout(self, seqs: list[Sequence], kv_lens: list[int], anchors: list[int]) -> CatchUp:
+        """Positions max(len - 1, 0) .. p0 - 1 of each request (len: its KV's valid length,
+        p0: its anchor's position), each feeding the next token (shift 1)."""
+        spans = [(max(n - 1, 0), p0) for n, p0 in zip(kv_lens, anchors)]
+        return pack_gap(seqs, spans, 1, self.block_size, self.trash, self.device, self.width)
+
     # -- device -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
+        """The head's KV over a gap (anchor [R] int64: each request's anchor token)."""
+        slots, ctx = gap_context(lay, self.block_size)
+        tokens = catch_up_tokens(lay, lay.tokens, anchor)
+        last = lay.cu_query_lens[1:].to(torch.int64) - 1
+        self._step(tokens, self.inner.store[slots], lay.positions, ctx, last)
+
     def _step(
         self,
         tokens: torch.Tensor,
@@ -185,7 +202,6 @@ class Eagle3DeviceDrafter:
         result: VerifyResult,
         seq_len: torch.Tensor,  # [R] int64, lengths after this step
         num_output: torch.Tensor,  # [R] int64, output tokens after this step
-        anchor: torch.Tensor | None = None,  # [R] int64, each request's anchor token in flight
     ) -> None:
         k = self.pool.k
         acc = result.num_accepted
@@ -193,7 +209,7 @@ class Eagle3DeviceDrafter:
         emitted, t = settled(plan, result, num_output)
         if isinstance(lay, SteadyRows):
             return self.chain.run_steady(lay, plan, result, emitted, seq_len, num_output, t)
-        tokens = catch_up_tokens(lay, emitted, anchor)
+        tokens = catch_up_tokens(lay, emitted, None)
         # the host laid verify rows out from p0_host; the true anchor is len - accepted - 2
         host_p0 = lay.positions[lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix]
         corr = host_p0 - (seq_len - acc - 2)  # [R]

@@ -36,15 +36,14 @@ def log_drafts(llm) -> dict[tuple[str, int], list[int]]:
         hook = orig(seqs, *args)
         if hook is None:
             return None
-        rids, after = [s.request_id for s in seqs], hook.after
+        rids = [s.request_id for s in seqs]
 
         def logged(plan, result, seq_len) -> None:
-            after(plan, result, seq_len)
+            hook(plan, result, seq_len)
             for rid, slot, n in zip(rids, plan.slots.tolist(), seq_len.tolist()):
                 log[(rid, n)] = dd.pool.draft_ids[slot].tolist()
 
-        hook.after = logged
-        return hook
+        return logged
 
     dd.step_hook = step_hook
     return log
