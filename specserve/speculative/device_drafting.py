@@ -46,6 +46,7 @@ from specserve.runner.graph_tail import TailDrafting, TailStep
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
+from specserve.speculative.catch_up import pack_catch_up
 from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
 from specserve.speculative.golden_device import GoldenDeviceDrafter
@@ -53,6 +54,10 @@ from specserve.speculative.ngram_device import NgramDeviceDrafter
 from specserve.speculative.verify_budget import VerifyBudget, survivals
 
 DEVICE_METHODS = ("ngram", "golden", "eagle3", "draft_model")
+# (rows, requests) of the gap catch-ups run at start-up (warm_gaps): a row count of 1, a
+# multiple of 16 and neither (Triton's specializations), short and long gaps, one request and
+# several
+GAP_WARMUP = [(r, n) for r in (1, 2, 7, 16, 17, 48, 100, 256, 700) for n in (1, 3) if r >= n]
 
 
 class Admission(NamedTuple):
@@ -203,9 +208,31 @@ class DeviceDrafting:
         return lambda: md.catch_up_gap(lay, next_tokens[slots])
 
     def capture(self, backend) -> None:
-        """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py)."""
+        """CUDA graphs of the model drafter's fixed-shape work (draft_graphs.py), and its gap
+        catch-up's kernels compiled."""
         if self.model_drafter is not None:
             self.model_drafter.capture(backend)
+            self.warm_gaps()
+
+    @torch.inference_mode()
+    def warm_gaps(self) -> None:
+        """Run the gap catch-up once at each of GAP_WARMUP's shapes (rows, requests) before
+        serving, over blocks no request holds yet: its rows vary from step to step, and a
+        Triton kernel variant first met mid-run stalls that step for about a second (H100)."""
+        md = self.model_drafter
+        bs = md.block_size
+        for rows, reqs in GAP_WARMUP:
+            per = max(1, rows // reqs)
+            nb = -(-per // bs)
+            if reqs * nb > md.trash - 1:  # a KV cache too small to hold it: skip the shape
+                continue
+            tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(reqs)]
+            lay = pack_catch_up(
+                ([0] * per * reqs, [0] * per * reqs, list(range(per)) * reqs,
+                 [i for i in range(reqs) for _ in range(per)], [False] * per * reqs),
+                [per] * reqs, [per] * reqs, tables, per, bs, md.trash, self.device,
+            )  # fmt: skip
+            md.catch_up_gap(lay, torch.zeros(reqs, dtype=torch.int64, device=self.device))
 
     # -- host ---------------------------------------------------------------------------------
     def admit(self, seqs: list[Sequence]) -> list[Admission]:

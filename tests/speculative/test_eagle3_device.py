@@ -171,6 +171,7 @@ def test_drafting_resumes_where_the_heads_kv_ends(target, prompts, ref, heads, t
     )  # fmt: skip
     every = make_llm(**kw, speculative_config=_spec(heads["random"], k=3, verify_budget="off"))
     some = make_llm(**kw, speculative_config=_spec(heads["random"], k=3))
+    some.engine.device_drafting.warm_gaps()  # CUDA's start-up, over blocks no request holds
     choices = coin_drafting(some, seed=7)
     logs = log_drafts(every), log_drafts(some)
     sp = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True)
