@@ -79,9 +79,11 @@ case ${1:-decode} in
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
-  steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5, each also sampling eagerly (~4 min)
+  steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5, each also sampling eagerly; the drafting choice's cost (~6 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
-    python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json" ;;
+    python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json"
+    # a model drafter's drafting choice forced: never / always / alternating, against off and fixed k
+    python3 tools/drafting_modes.py --json "$OUT/drafting_modes_smollm2.json" ;;
   host)  # where a 135M step's time goes (host phases; wall vs device, kernels): off, golden, EAGLE-3
     for m in off golden eagle3; do
       case $m in
