@@ -202,13 +202,20 @@ request = st.fixed_dictionaries(
 _PROP: dict[str, object] = {}
 
 
-@pytest.mark.parametrize("spec", [NGRAM, GOLDEN], ids=["ngram", "golden"])
+_SELF_DRAFT = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, GOLDEN, _SELF_DRAFT], ids=["ngram", "golden", "draft"])
 @settings(max_examples=15, deadline=None)
 @given(st.lists(request, min_size=1, max_size=6), st.integers(0, 2**31))
 def test_invariants_over_random_workloads(spec, reqs, seed):
     """Arrivals, aborts, stops inside accepted drafts (golden ids drawn from the stop range),
     preemption (13 KV blocks) and max_model_len, all with drafts in flight: debug invariants
-    hold at every step, and each request's outputs are exactly the tokens appended to it."""
+    hold at every step, and each request's outputs are exactly the tokens appended to it. The
+    draft model also switches between drafting and plain steps (a seeded coin for the
+    budget's choice), catching up when it resumes."""
+    from tests.speculative.drafting_spy import coin_drafting
+
     key = spec["method"]
     if key not in _PROP:
         _PROP[key] = make_llm(
@@ -219,6 +226,8 @@ def test_invariants_over_random_workloads(spec, reqs, seed):
             speculative_config=spec,
             debug_invariants=True,
         )
+        if key == "draft_model":
+            coin_drafting(_PROP[key], seed=3)
     eng = _PROP[key].engine
     rng = random.Random(seed)
     seqs, emitted, finished = {}, {}, {}
