@@ -403,3 +403,29 @@ def test_a_request_failing_midway_keeps_the_text_of_its_tokens(sync_llm, monkeyp
     assert failed.finish_reason == "error" and len(failed.token_ids) >= 3
     assert failed.text == sync_llm.engine.tokenizer.decode(failed.token_ids)
     assert outs[1].outputs[0].finish_reason == "length"
+
+
+def test_a_device_drafters_rolled_back_step_leaves_its_kv_caught_up(sync_llm):
+    """The target drafting for itself on the device (overlap): a step that fails after its
+    forward is queued never drafts, so its requests catch up again when they next draft;
+    every draft the survivors verify stays accepted (a draft from a stale KV or the pool's old
+    drafts would be rejected) and their outputs are unchanged."""
+    eng = make_llm(max_num_seqs=8, speculative_config=SELF_DRAFT, overlap=True).engine
+    prompts = prompts_of([6, 5, 7, 9], seed=43)
+    ref = reference(sync_llm.engine, prompts[:3], [GREEDY] * 3)
+    real_plan = eng.sampler.plan
+    victim, failed = {}, []
+
+    def plan(seqs, drafts, **kw):
+        if any(s is victim.get("seq") and s.num_output_tokens >= 4 for s in seqs):
+            failed.append(len(seqs))
+            raise RuntimeError("late boom")
+        return real_plan(seqs, drafts, **kw)
+
+    eng.sampler.plan = plan
+    res = run(eng, prompts, [GREEDY] * 4, lambda i, s: i == 3 and victim.update(seq=s))
+    assert [r[0] for r in res[:3]] == ref and res[3][1] == "error"
+    assert max(failed) > 1  # the survivors were in a failed step
+    spec = eng.ledger.spec
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
