@@ -117,9 +117,7 @@ class Launcher:
         hook, plan_args, gap = None, {}, None
         if dd is not None and seqs:
             plan_args = self._device_feed(batch)
-            rows = zip(batch.query_lens, batch.num_drafts, batch.samples)
-            decode = [q == 1 + m for q, m, sm in rows if sm]  # no prompt chunk
-            gap = dd.gap(seqs, plan_args["anchor_pos"], decode, eng.runner.next_tokens)
+            gap = dd.gap(batch, seqs, plan_args["anchor_pos"], eng.runner.next_tokens)
         draft_q = eng.speculator.draft_q(seqs, drafts) if eng.speculator and seqs else None
         # the token each request sampled: the next overlapped step (or drafting step) reads it
         has_dd = eng.device_drafting is not None

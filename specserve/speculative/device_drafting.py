@@ -88,8 +88,6 @@ class DeviceDrafting:
         self.prompt_len = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=pool.device)
         # [slots + 1, k] the newest confidences read back per slot (the budget's inputs)
         self.host_conf = np.ones((pool.num_slots + 1, max(self.k, 1)))
-        # a slot's confidences read back (its latest owner's, ended or not: a new one's prior)
-        self.read = np.zeros(pool.num_slots + 1, dtype=bool)
         # model drafters: the budget's choice for the step laid out last (VerifyBudget.plan);
         # per slot, whether its latest sampling step drafted, and the length after the last
         # one that did, read back (its drafter's KV is valid that far: 0 = none yet)
@@ -181,9 +179,9 @@ class DeviceDrafting:
 
     def gap(
         self,
-        seqs: list[Sequence],
+        batch: StepBatch,
+        seqs: list[Sequence],  # its sampling requests
         anchor_pos: list[int],
-        decode: list[bool],  # its rows are an anchor and drafts (no prompt chunk)
         next_tokens: torch.Tensor,  # [slots + 1] int64, the runner's
     ) -> Callable[[], None] | None:
         """A model drafter's drafting step: the requests with decode rows that were not drafted
@@ -195,6 +193,8 @@ class DeviceDrafting:
         md = self.model_drafter
         if md is None or not self.drafting_now:
             return None
+        rows = zip(batch.query_lens, batch.num_drafts, batch.samples)
+        decode = [q == 1 + m for q, m, sm in rows if sm]  # an anchor and drafts, no prompt
         behind = [i for i, s in enumerate(seqs) if decode[i] and not self.drafted[s.slot]]
         if not behind:
             return None
@@ -239,8 +239,8 @@ class DeviceDrafting:
         """Uploads for the requests given a slot in this step (host: read them now)."""
         out = []
         for seq in seqs:
-            self.host_conf[seq.slot] = self._prior()
-            self.drafted[seq.slot], self.kv_len[seq.slot], self.read[seq.slot] = False, 0, False
+            self.host_conf[seq.slot] = 1.0
+            self.drafted[seq.slot], self.kv_len[seq.slot] = False, 0
             gold = seq.params.golden_token_ids
             g = c = toks = None
             if gold:
@@ -253,13 +253,6 @@ class DeviceDrafting:
                 toks = h2d(seq.token_ids[: self.max_model_len], torch.int64, self.device)
             out.append(Admission(seq.slot, seq.num_tokens, seq.num_prompt_tokens, toks, g, c))
         return out
-
-    def _prior(self) -> float | np.ndarray:
-        """A new request's confidences: 1 (verified, to learn); a model drafter's, whose
-        drafting the whole step pays for, the mean of those read back (the slots' latest)."""
-        if self.model_drafter is None or not self.read.any():
-            return 1.0
-        return self.host_conf[self.read].mean(axis=0)
 
     def step_hook(
         self, seqs: list[Sequence], anchor_pos: list[int], num_drafts: list[int]
@@ -323,7 +316,6 @@ class DeviceDrafting:
             for s, conf, acc in zip(seqs, host.next_confidences, host.num_accepted):
                 if s.slot and not s.is_finished:
                     self.host_conf[s.slot, : len(conf)] = conf
-                    self.read[s.slot] = True
                     self.kv_len[s.slot] = s.num_tokens + acc + 1  # read before its ledger
         if self.ngram is None or host.num_real_drafts is None:
             return

@@ -67,6 +67,13 @@ def survivals(confidences: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray
     return np.multiply.accumulate(np.clip(c, 0.0, 1.0), axis=-1)
 
 
+def _in_room(surv: np.ndarray, room: Sequence[int] | None) -> np.ndarray:
+    if room is None:
+        return surv
+    k = surv.shape[1]
+    return np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
+
+
 def choose(
     surv: np.ndarray,
     base_rows: int,
@@ -79,8 +86,7 @@ def choose(
     max_rows: the step's row limit; room[i]: the most drafts request i may verify."""
     surv = np.asarray(surv, dtype=np.float64)
     n, k = surv.shape
-    if room is not None:
-        surv = np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
+    surv = _in_room(surv, room)
     flat = surv.T.ravel()  # position-major (j * n + i): a stable sort puts ties in that order
     order = np.argsort(-flat, kind="stable")
     a = flat[order]
@@ -103,13 +109,6 @@ def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
     rank = torch.empty_like(order).scatter_(0, order, ranks)  # rank[r]: place of r in the order
     taken = (rank < total) & (flat > 0)
     return taken.view(k, n).sum(0)
-
-
-def _in_room(surv: np.ndarray, room: Sequence[int] | None) -> np.ndarray:
-    if room is None:
-        return surv
-    k = surv.shape[1]
-    return np.where(np.arange(k)[None, :] < np.asarray(room)[:, None], surv, 0.0)
 
 
 class VerifyBudget:
