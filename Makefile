@@ -34,8 +34,9 @@ test: install lint
 	$(VENV)/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider
 
 # What GPU runs carry to the device machine (tokenizer + ShareGPT pairs; see the module).
+# GPT_FAST=CLONE also copies gpt-fast's model.py (h200.sh anchor) from a clone of it.
 devcarry: install
-	$(PY) tools/devcarry.py
+	$(PY) tools/devcarry.py $(if $(GPT_FAST),--gpt-fast $(GPT_FAST))
 	grep -qx '.devcarry' .git/info/exclude 2>/dev/null || echo .devcarry >> .git/info/exclude
 
 clean:

@@ -6,7 +6,7 @@
 #   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
 #   path is gone in the next call unless carried again; /tmp stays)
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | steps | host | structured (default: decode)
+#   train-data | train-head-resume | eagle | steps | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -97,8 +97,10 @@ case ${1:-decode} in
       # wall against device time per step, and the kernels (graphs as served)
       python3 tools/profile_step.py --model dummy:smollm2-135m --batch 1 --graphs --dtype bfloat16 --top 25 ${C:+--speculative-config "$C"} --json "$OUT/profile_b1_${m}_smollm2.json"
     done ;;
+  anchor)  # batch-1 decode against gpt-fast's compiled decoder, paired (needs make devcarry GPT_FAST=CLONE)
+    python3 tools/gpt_fast_ab.py --gpt-fast .devcarry/gpt-fast --off gemv_epilogues --json "$OUT/gpt_fast_ab.json" ;;
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | host | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | host | anchor | structured)" >&2; exit 2 ;;
 esac

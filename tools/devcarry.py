@@ -12,7 +12,10 @@ call carries) in three parts, .devcarry-gguf1/ to .devcarry-gguf3/: carry one pe
 back while the machine is still warm (h200.sh gguf1..gguf3 copy each to /tmp, which stays), and
 h200.sh joins them into the cache.
 
-    python tools/devcarry.py [--gguf-parts] [--turns]   (or: make devcarry)
+--gpt-fast CLONE copies gpt-fast's model.py and LICENSE from a clone of pytorch-labs/gpt-fast
+into .devcarry/gpt-fast (tools/gpt_fast_ab.py's anchor; not a dependency of specserve).
+
+    python tools/devcarry.py [--gguf-parts] [--turns] [--gpt-fast CLONE]   (or: make devcarry)
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ from specserve.model.loader import cache_dir, default_model_path, gguf_tokenizer
 GGUF_PARTS = 3
 
 
-def build(out: Path = Path(".devcarry"), gguf_parts: bool = False, turns: bool = False) -> None:
+def build(
+    out: Path = Path(".devcarry"),
+    gguf_parts: bool = False,
+    turns: bool = False,
+    gpt_fast: Path | None = None,
+) -> None:
     shutil.copytree(
         gguf_tokenizer_folder(default_model_path()), out / "tokenizer", dirs_exist_ok=True
     )
@@ -58,6 +66,13 @@ def build(out: Path = Path(".devcarry"), gguf_parts: bool = False, turns: bool =
             folder.mkdir(exist_ok=True)
             (folder / f"{default_model_path().name}.part{i}").write_bytes(part)
 
+    if gpt_fast is not None:
+        (out / "gpt-fast").mkdir(exist_ok=True)
+        for name in ("model.py", "LICENSE"):
+            shutil.copy(gpt_fast / name, out / "gpt-fast" / name)
+
 
 if __name__ == "__main__":
-    build(gguf_parts="--gguf-parts" in sys.argv[1:], turns="--turns" in sys.argv[1:])
+    argv = sys.argv[1:]
+    clone = Path(argv[argv.index("--gpt-fast") + 1]) if "--gpt-fast" in argv else None
+    build(gguf_parts="--gguf-parts" in argv, turns="--turns" in argv, gpt_fast=clone)

@@ -2,7 +2,8 @@
 
 The elementwise work goes through `specserve.ops.fused`: Triton kernels on CUDA, the plain torch
 ops on CPU (unchanged numerics there). Linear layers go through `specserve.ops.gemv` (a Triton
-GEMV for one row on Hopper, F.linear everywhere else).
+GEMV for one row on Hopper, F.linear everywhere else; at one row the MLP's gate_up projection and
+silu-and-mul are one GLU GEMV).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from specserve.model.errors import ModelLoadError
 from specserve.ops.fused import add_rms_norm, silu_and_mul
-from specserve.ops.gemv import linear
+from specserve.ops.gemv import gemv_glu, glu_eligible, linear
 
 
 class Linear(nn.Linear):
@@ -123,4 +124,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I] -> [T, I]
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear and glu_eligible(x, gate_up.weight):
+            return self.down_proj(gemv_glu(x, gate_up.weight))  # one row: one kernel to [1, I]
+        return self.down_proj(silu_and_mul(gate_up(x)))  # via [T, 2I] -> [T, I]

@@ -54,6 +54,117 @@ def test_gemv_matches_linear(pdl_cuda, n, k, dtype) -> None:
     assert int(gemv._plan(n, k, pdl_cuda).count.sum()) == 0
 
 
+# [2I, K]: Llama-3.1-8B and SmolLM2 gate_up (K split 1 and 4), partial tiles in I and K
+GLU_SHAPES = [(28672, 4096), (3072, 576), (200, 300), (26, 1000)]
+
+
+@pytest.mark.parametrize("two_i,k", GLU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_glu_gemv_equals_the_gemv_then_silu_and_mul(pdl_cuda, two_i, k, dtype) -> None:
+    """One launch with silu-and-mul in the epilogue: bit for bit what the GEMV of the stacked
+    weight followed by the fused silu-and-mul kernel gives."""
+    gen = torch.Generator().manual_seed(two_i + k)
+    w = (torch.randn(two_i, k, generator=gen) / k**0.5).to(pdl_cuda, dtype)
+    x = torch.randn(1, k, generator=gen).to(pdl_cuda, dtype)
+    assert gemv.glu_eligible(x, w)
+    want = fused.silu_and_mul(gemv.gemv(x, w))
+    got = gemv.gemv_glu(x, w)
+    assert got.shape == (1, two_i // 2) and got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(gemv.gemv_glu(x, w), got)  # counters back at zero: the same sums again
+    assert int(gemv._plan(two_i // 2, k, pdl_cuda, paired=True).count.sum()) == 0
+    full = F.linear(x.float(), w.float())
+    _close(got, F.silu(full[:, : two_i // 2]) * full[:, two_i // 2 :])
+
+
+def test_the_mlp_runs_one_glu_gemv_at_one_row(pdl_cuda, monkeypatch) -> None:
+    from specserve.model.layers import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(256, 768).to(pdl_cuda, torch.bfloat16)
+    x = torch.randn(1, 256, device=pdl_cuda, dtype=torch.bfloat16)
+    calls = []
+    glu = gemv.gemv_glu
+    monkeypatch.setattr("specserve.model.layers.gemv_glu", lambda *a: calls.append(1) or glu(*a))
+    got = mlp(x)
+    assert calls == [1]
+    want = mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(got, want)
+    mlp(torch.cat([x, x]))  # two rows: the projection and silu-and-mul as before
+    monkeypatch.setattr(env.settings, "fused_ops", False)
+    mlp(x)
+    assert calls == [1]
+
+
+# (H, Hkv, D, K): Llama-3.1-8B (K split 1), SmolLM2 (split 4), a small odd case
+ROPE_SHAPES = [(32, 8, 128, 4096), (9, 3, 64, 576), (4, 2, 16, 100)]
+
+
+@pytest.mark.parametrize("h,hkv,d,k", ROPE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qkv_rope_gemv_equals_the_gemv_then_rope_write_kv(pdl_cuda, h, hkv, d, k, dtype) -> None:
+    """q rotated, k rotated into its cache slot, v copied into its: bit for bit what the GEMV
+    and ops.fused.rope_write_kv_ give; a padding row (slot -1) writes no slot."""
+    from specserve.model.layers import RotaryEmbedding
+    from specserve.ops.forward_context import KVCache
+
+    gen = torch.Generator().manual_seed(h * d + k)
+    n = (h + 2 * hkv) * d
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(pdl_cuda, dtype)
+    x = torch.randn(1, k, generator=gen).to(pdl_cuda, dtype)
+    cos_sin = RotaryEmbedding(d, 10000.0, None, 4096).cos_sin(
+        torch.tensor([1234], device=pdl_cuda), 4096, dtype
+    )
+    slot = torch.tensor([13], device=pdl_cuda)
+
+    def cache() -> KVCache:
+        k_cache = torch.zeros(5, 4, hkv, d, device=pdl_cuda, dtype=dtype)
+        return KVCache(k_cache, torch.zeros_like(k_cache))
+
+    fused_cache, want_cache = cache(), cache()
+    assert gemv.qkv_rope_eligible(x, w, None, cos_sin, fused_cache)
+    q = gemv.gemv_qkv_rope(x, w, h, cos_sin, fused_cache, slot)
+    want = fused.rope_write_kv_(
+        gemv.gemv(x, w).view(1, h + 2 * hkv, d), h, cos_sin, want_cache, slot
+    )
+    assert q.shape == (1, h, d)
+    assert torch.equal(q, want)
+    assert torch.equal(fused_cache.k, want_cache.k) and torch.equal(fused_cache.v, want_cache.v)
+    assert fused_cache.k[3, 1].abs().sum() > 0 and fused_cache.v[3, 1].abs().sum() > 0
+    assert int(gemv._plan(n // 2, k, pdl_cuda, paired=True).count.sum()) == 0
+    padding = cache()
+    gemv.gemv_qkv_rope(x, w, h, cos_sin, padding, torch.tensor([-1], device=pdl_cuda))
+    assert padding.k.abs().sum() == 0 and padding.v.abs().sum() == 0
+
+
+@pytest.mark.parametrize("model", ["dummy:tiny", "dummy:smollm2-135m"])
+def test_decoding_with_the_epilogues_equals_separate_kernels(pdl_cuda, model, monkeypatch) -> None:
+    """Whole runs, graphs and overlap as served: the same tokens and logprobs, to the bit, with
+    the GEMV epilogues (one-row steps) as with their separate kernels."""
+    from specserve import LLM, SamplingParams
+    from specserve.model import layers, llama
+
+    calls: list[str] = []
+    for mod, name in ((llama, "gemv_qkv_rope"), (layers, "gemv_glu")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    prompts = [[7 + (31 * i) % 40000 for i in range(n)] for n in (5, 40, 130)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = []
+    for epilogues in (True, False):
+        with env.override(gemv_epilogues=epilogues):
+            llm = LLM(model, dtype="bfloat16", max_num_seqs=1, max_model_len=512,
+                      kv_cache_memory_gb=0.5, progress=False)  # fmt: skip
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        del llm
+        if epilogues:  # captured into the graphs (and run by eager one-row steps)
+            assert {"gemv_qkv_rope", "gemv_glu"} <= set(calls)
+            calls.clear()
+    assert not calls
+    assert runs[0] == runs[1]
+
+
 def test_only_one_row_without_bias_takes_the_gemv(pdl_cuda, monkeypatch) -> None:
     w = torch.randn(64, 32, device=pdl_cuda, dtype=torch.bfloat16)
     x1 = torch.randn(1, 32, device=pdl_cuda, dtype=torch.bfloat16)
@@ -67,8 +178,8 @@ def test_only_one_row_without_bias_takes_the_gemv(pdl_cuda, monkeypatch) -> None
 
 
 def test_a_pdl_chain_in_a_cuda_graph_matches_eager_launches(pdl_cuda, monkeypatch) -> None:
-    """A one-row layer chain, every kernel launched with PDL (fused norms, silu-and-mul, the
-    GEMVs), captured in a CUDA graph and replayed with new inputs: the same values as the same
+    """A one-row layer chain, every kernel launched with PDL (fused norms, the GEMVs, the GLU
+    GEMV), captured in a CUDA graph and replayed with new inputs: the same values as the same
     chain without PDL, launched eagerly."""
     gen = torch.Generator().manual_seed(0)
     dev, dt = pdl_cuda, torch.bfloat16
@@ -88,7 +199,11 @@ def test_a_pdl_chain_in_a_cuda_graph_matches_eager_launches(pdl_cuda, monkeypatc
             a = gemv.linear(h, qkv, None)[:, :hidden].contiguous()
             a = gemv.linear(a, o, None)
             h, residual = fused.add_rms_norm(a, residual, norm_w, 1e-5)
-            x = gemv.linear(fused.silu_and_mul(gemv.linear(h, gate_up, None)), down, None)
+            if gemv.glu_eligible(h, gate_up):
+                a = gemv.gemv_glu(h, gate_up)
+            else:
+                a = fused.silu_and_mul(gemv.linear(h, gate_up, None))
+            x = gemv.linear(a, down, None)
         return x + residual
 
     inputs = [torch.randn(1, hidden, generator=gen).to(dev, dt) for _ in range(3)]
@@ -98,7 +213,7 @@ def test_a_pdl_chain_in_a_cuda_graph_matches_eager_launches(pdl_cuda, monkeypatc
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = chain(static_in)
-    monkeypatch.setattr(env.settings, "pdl", False)  # the reference: cuBLAS and plain launches
+    monkeypatch.setattr(env.settings, "pdl", False)  # the reference: cuBLAS, silu-and-mul, no PDL
     for x in inputs:
         static_in.copy_(x)
         graph.replay()
