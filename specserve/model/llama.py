@@ -20,7 +20,6 @@ from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.fused import rope_, rope_write_kv_
-from specserve.ops.gemv import gemv_qkv_rope, qkv_rope_eligible
 
 
 class Attention(nn.Module):
@@ -53,16 +52,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        proj = self.qkv_proj
-        if (
-            not self.qk_norm
-            and type(proj) is Linear
-            and qkv_rope_eligible(x, proj.weight, proj.bias, cos_sin, cache)
-        ):
-            # one row: rotary and the KV write in the projection's epilogue (ops/gemv.py)
-            q = gemv_qkv_rope(x, proj.weight, h, cos_sin, cache, ctx.slot_mapping)
-        elif self.qk_norm:
-            qkv = proj(x)  # [T, (H + 2 Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if self.qk_norm:
             v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, hkv, d))
@@ -72,7 +63,7 @@ class Attention(nn.Module):
         else:
             # q and k rotate together and k, v go to the cache in the same pass: one kernel on
             # the fused path (q, rotated in place, is then a strided view of qkv).
-            heads = proj(x).view(t, h + 2 * hkv, d)
+            heads = qkv.view(t, h + 2 * hkv, d)
             q = rope_write_kv_(heads, h, cos_sin, cache, ctx.slot_mapping, all_valid)
         o = paged_attention(q, cache, ctx, self.scale, self.window)  # [T, H, D]
         return self.o_proj(o.view(t, self.q_size))

@@ -12,10 +12,8 @@ one row, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns 
 The MLP's gate_up projection at one row runs as one GLU GEMV (`gemv_glu`): silu(gate) * up in
 the GEMV's epilogue, so the [1, 2I] projection is never written and silu-and-mul is not a kernel
 of its own; the result equals the GEMV followed by the fused silu-and-mul, bit for bit.
-Likewise the attention's qkv projection (`gemv_qkv_rope`) rotates q and k and writes k and v to
-their cache slots in its epilogue, as `ops.fused.rope_write_kv_` would: one kernel a layer fewer
-for each (a 135M decode step is ~300 kernels of a few microseconds, bound by their count).
-`env.settings.gemv_epilogues` ($SPECSERVE_GEMV_EPILOGUES=0) keeps them separate kernels.
+One kernel a layer fewer: a 135M decode step is ~300 kernels of a few microseconds, bound by
+their count. `env.settings.gemv_epilogues` ($SPECSERVE_GEMV_EPILOGUES=0) keeps them separate.
 
 Safe to import without triton: the kernel module is imported on first use.
 """
@@ -29,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from specserve import env
-from specserve.ops.forward_context import KVCache
 from specserve.ops.pdl import pdl_enabled
 
 BLOCK_N = 8  # outputs per program: the best on the H200 for every decoder shape swept
@@ -62,8 +59,8 @@ def split_k(n: int) -> int:
 class GemvPlan:
     """Launch shape and workspace of one weight shape. The workspace is shared by every weight
     of that shape: the launches are ordered on one stream (under PDL a kernel touches it only
-    after its wait), and the counters are back at zero after each launch. A paired plan (GLU,
-    ROPE) of n outputs reads two weight rows per output, 2n in all, with the grid, tiles and K
+    after its wait), and the counters are back at zero after each launch. A paired plan (GLU)
+    of n outputs reads two weight rows per output, 2n in all, with the grid, tiles and K
     split of the plain plan of those 2n rows: the same sums, in the same order."""
 
     def __init__(self, n: int, k: int, device: torch.device, paired: bool = False) -> None:
@@ -101,69 +98,28 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    out: torch.Tensor,
-    plan: GemvPlan,
-    mode: int,
-    rope: tuple[torch.Tensor, KVCache, torch.Tensor, int] | None = None,
-) -> torch.Tensor:
-    k = _kernels()
-    cs = kc = vc = slots = x  # placeholders: only ROPE reads them
-    strides = (0,) * 7
-    half = nq = nkv = page = 1
-    if rope is not None:
-        cs, cache, slots, nq = rope
-        kc, vc = cache.k, cache.v
-        half, nkv, page = cs.shape[-1] // 2, kc.shape[2], cache.block_size
-        strides = (cs.stride(1), *kc.stride()[:3], *vc.stride()[:3])
-    k._gemv_kernel[plan.grid](
-        x, weight, out, plan.part, plan.count, cs, kc, vc, slots, *strides,
+def _launch(x: torch.Tensor, weight: torch.Tensor, plan: GemvPlan, mode: int) -> torch.Tensor:
+    out = torch.empty(1, plan.n, device=x.device, dtype=x.dtype)
+    _kernels()._gemv_kernel[plan.grid](
+        x, weight, out, plan.part, plan.count,
         N=plan.n, NQ=plan.rows, K=plan.k, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=plan.split_k,
-        K_PER=plan.k_per, MODE=mode, HALF=half, NUM_Q_HEADS=nq, NUM_KV_HEADS=nkv, PAGE=page,
-        GDC=True, launch_pdl=True, num_warps=4, num_stages=3,
+        K_PER=plan.k_per, MODE=mode, GDC=True, launch_pdl=True, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
-
-
-def _empty(x: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.empty(1, n, device=x.device, dtype=x.dtype)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [1, K] x [N, K] -> [1, N]
     n, k = weight.shape
     assert x.shape == (1, k), (x.shape, weight.shape)
-    return _launch(x, weight, _empty(x, n), _plan(n, k, x.device), int(_kernels().PLAIN.value))
+    return _launch(x, weight, _plan(n, k, x.device), int(_kernels().PLAIN.value))
 
 
 def gemv_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [1, K] x [2I, K] -> [1, I]
     """silu(x W_gate^T) * (x W_up^T) for weight = [W_gate; W_up], in one launch."""
     two_i, k = weight.shape
     assert x.shape == (1, k) and two_i % 2 == 0, (x.shape, weight.shape)
-    i = two_i // 2
-    plan = _plan(i, k, x.device, paired=True)
-    return _launch(x, weight, _empty(x, i), plan, int(_kernels().GLU.value))
-
-
-def gemv_qkv_rope(
-    x: torch.Tensor,  # [1, K]
-    weight: torch.Tensor,  # [(H + 2 Hkv) D, K]
-    num_q_heads: int,
-    cos_sin: torch.Tensor,  # [1, 2, 1, D]
-    cache: KVCache,
-    slot_mapping: torch.Tensor,  # [1] int64, negative = padding row
-) -> torch.Tensor:  # q [1, H, D], rotated: a view of the qkv row
-    """The qkv projection of one row with ops.fused.rope_write_kv_ in its epilogue: q rotated,
-    k rotated into its cache slot, v copied into its; the qkv row left as that pair of kernels
-    leaves it, bit for bit."""
-    n, k = weight.shape
-    d = cos_sin.shape[-1]
-    assert x.shape == (1, k) and cos_sin.shape == (1, 2, 1, d) and n % d == 0, (x, weight, d)
-    plan = _plan(n // 2, k, x.device, paired=True)
-    rope = (cos_sin, cache, slot_mapping, num_q_heads)
-    qkv = _launch(x, weight, _empty(x, n), plan, int(_kernels().ROPE.value), rope)
-    return qkv.view(1, n // d, d)[:, :num_q_heads]
+    plan = _plan(two_i // 2, k, x.device, paired=True)
+    return _launch(x, weight, plan, int(_kernels().GLU.value))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -176,21 +132,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def glu_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The GLU GEMV replaces the GEMV and the fused silu-and-mul: it runs where both would."""
     return gemv_eligible(x, weight, None) and env.settings.fused_ops and env.settings.gemv_epilogues
-
-
-def qkv_rope_eligible(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos_sin: torch.Tensor,
-    cache: KVCache,
-) -> bool:  # fmt: skip
-    """Where the GEMV and the fused rotary + KV write would both run (one row, no bias)."""
-    return (
-        gemv_eligible(x, weight, bias)
-        and env.settings.fused_ops
-        and env.settings.gemv_epilogues
-        and cos_sin.dim() == 4
-        and cos_sin.shape[0] == 1
-        and cos_sin.shape[-1] % 2 == 0
-        and cos_sin.stride(-1) == 1
-        and cache.k.stride(-1) == 1
-        and cache.v.stride(-1) == 1
-    )
