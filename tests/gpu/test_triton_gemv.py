@@ -1,4 +1,5 @@
-"""The one-row GEMV (specserve.ops.gemv / triton_gemv) and PDL launches, against F.linear.
+"""The one-row GEMV (specserve.ops.gemv / triton_gemv) and PDL launches, against F.linear; its
+GLU epilogue (silu-and-mul) against the GEMV and the separate kernel, to the bit.
 
     pytest -m gpu tests/gpu/test_triton_gemv.py      # needs a GPU with PDL (compute capability 9+)
 
