@@ -43,19 +43,24 @@ class AuxCapture:
     def record(
         self,
         layer: int,
-        stream: torch.Tensor,  # [T, H] the residual stream entering `layer`
+        x: torch.Tensor,  # [T, H] the previous layer's output (layer 0: the embeddings)
+        residual: torch.Tensor | None,  # [T, H] the residual stream before x; None at layer 0
     ) -> None:
         """Called before each layer runs; writes the stream entering `layer` if it is chosen."""
         j = self._column.get(layer)
         if j is None:
             return
-        t = stream.shape[0]
+        t = x.shape[0]
         if t > self.rows.shape[0]:
             raise RuntimeError(
                 f"hidden-state capture holds {self.rows.shape[0]} rows; a forward has {t}"
             )
         h = self.hidden_size
-        self.rows[:t, j * h : (j + 1) * h].copy_(stream)
+        dst = self.rows[:t, j * h : (j + 1) * h]
+        if residual is None:
+            dst.copy_(x)
+        else:
+            torch.add(x, residual, out=dst)  # the stream the next norm would form
 
     def finish(self, ctx: ForwardContext, num_rows: int) -> None:
         self.num_rows = num_rows

@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.model.errors import ModelLoadError
 from specserve.ops.fused import add_rms_norm, silu_and_mul
-from specserve.ops.gemv import add_norm_eligible, gemv_add_norm, gemv_glu, glu_eligible, linear
+from specserve.ops.gemv import gemv_glu, glu_eligible, linear
 
 
 class Linear(nn.Linear):
@@ -124,24 +124,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act(x))
-
-    def act(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I]: down_proj's input
         gate_up = self.gate_up_proj
         if type(gate_up) is Linear and glu_eligible(x, gate_up.weight):
-            return gemv_glu(x, gate_up.weight)  # one row: one kernel to [1, I]
-        return silu_and_mul(gate_up(x))  # via [T, 2I]
-
-
-def linear_add_norm(
-    proj: nn.Module,
-    x: torch.Tensor,  # [T, in]
-    residual: torch.Tensor,  # [T, hidden] the residual stream before proj's output
-    norm: RMSNorm,
-) -> tuple[torch.Tensor, torch.Tensor]:  # norm(proj(x) + residual), proj(x) + residual
-    """A projection into the residual stream and the norm after the add: at one row, one GEMV
-    with the add + norm in its epilogue (ops/gemv.py); else the projection, then the fused
-    add + norm."""
-    if type(proj) is Linear and add_norm_eligible(x, proj.weight, proj.bias, residual, norm.weight):
-        return gemv_add_norm(x, proj.weight, residual, norm.weight, norm.eps)
-    return norm.add_forward(proj(x), residual)
+            return self.down_proj(gemv_glu(x, gate_up.weight))  # one row: one kernel to [1, I]
+        return self.down_proj(silu_and_mul(gate_up(x)))  # via [T, 2I] -> [T, I]

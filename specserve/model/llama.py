@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.config import ModelConfig
-from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, linear_add_norm
+from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.attention import paged_attention, slots_all_valid, write_kv
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.fused import rope_, rope_write_kv_
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         cache: KVCache,
         ctx: ForwardContext,
         all_valid: bool,
-    ) -> torch.Tensor:  # [T, H * D]: o_proj's input (the layer fuses o_proj with the next norm)
+    ) -> torch.Tensor:  # [T, hidden]
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
@@ -66,7 +66,7 @@ class Attention(nn.Module):
             heads = qkv.view(t, h + 2 * hkv, d)
             q = rope_write_kv_(heads, h, cos_sin, cache, ctx.slot_mapping, all_valid)
         o = paged_attention(q, cache, ctx, self.scale, self.window)  # [T, H, D]
-        return o.view(t, self.q_size)
+        return self.o_proj(o.view(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -79,22 +79,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, hidden] the stream entering this layer, normed by input_layernorm
-        residual: torch.Tensor,  # [T, hidden] the stream entering this layer
-        next_norm: RMSNorm,  # the next layer's input_layernorm, or the model's final norm
+        x: torch.Tensor,  # [T, hidden] previous layer's MLP output (layer 0: the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden] residual stream before x; None at layer 0
         cos_sin: torch.Tensor,
         cache: KVCache,
         ctx: ForwardContext,
         all_valid: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # the stream leaving this layer: (normed, itself)
-        """`x = x + attn(norm(x)); x = x + mlp(norm(x))`, with each residual add fused into the
-        norm after it, and at one row that add + norm into the projection before it
-        (`linear_add_norm`): the next layer's input norm is this layer's last step."""
-        o = self.self_attn(h, cos_sin, cache, ctx, all_valid)
-        h, residual = linear_add_norm(
-            self.self_attn.o_proj, o, residual, self.post_attention_layernorm
-        )
-        return linear_add_norm(self.mlp.down_proj, self.mlp.act(h), residual, next_norm)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, hidden]
+        """The residual stream after this layer is residual + the returned MLP output; the add is
+        left to the next norm (next layer's input norm, or the model's final norm), which fuses
+        it. Same values as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, fewer kernels."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos_sin, cache, ctx, all_valid)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,17 +145,15 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, ctx.max_context_len, x.dtype)
         # Checked once here rather than in each layer's KV write.
         all_valid = slots_all_valid(ctx.slot_mapping)
-        layers = self.layers
-        h, residual = layers[0].input_layernorm.add_forward(x, None)
+        residual: torch.Tensor | None = None
         cap = self.aux_capture
-        for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if cap is not None:
-                cap.record(i, residual)
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, residual = layer(h, residual, next_norm, cos_sin, cache, ctx, all_valid)
+                cap.record(i, x, residual)
+            x, residual = layer(x, residual, cos_sin, cache, ctx, all_valid)
         if cap is not None:
-            cap.finish(ctx, h.shape[0])
-        return h
+            cap.finish(ctx, x.shape[0])
+        return self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] fp32

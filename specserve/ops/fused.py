@@ -161,16 +161,12 @@ def add_rms_norm(
     block = _pow2(n)
     _kernels()._add_rms_norm_kernel[(t,)](
         x, res, weight, out, new_res, x.stride(0), stride_r, n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(n),
-        **launch_options(x),
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        # More warps for wide rows: at batch 1 one program does the whole row, so its latency is
+        # the kernel's. (Heuristic, not tuned per GPU.)
+        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2, **launch_options(x),
     )  # fmt: skip
     return out, new_res
-
-
-def norm_warps(n: int) -> int:
-    """Warps of the add + RMSNorm of rows of n values. The GEMV whose epilogue does the same
-    norm (ops/gemv.py) launches with as many, so both sum the squares in one order."""
-    return 4 if n > 512 else 2
 
 
 def rope_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

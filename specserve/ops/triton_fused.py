@@ -27,42 +27,6 @@ def _gdc_begin(GDC: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_row(
-    x_row,  # [N]
-    res_row,  # [N] (unused when not HAS_RESIDUAL)
-    w_ptr,  # [N]
-    out_row,  # [N]: normed
-    new_res_row,  # [N]: x + residual (unused when not HAS_RESIDUAL)
-    n_cols,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,  # n_cols rounded up to a power of two: the whole row in one tile
-    X_CACHE: tl.constexpr,  # x's load cache modifier ("" or ".cg" when other programs wrote x)
-):
-    """One row of the residual add + RMSNorm: this kernel's body, and the epilogue of the GEMV
-    that produces x (ops/triton_gemv.py), so both round and sum alike."""
-    # A row of a decoder's hidden state (<= 16k values) fits in registers, so the row is read
-    # once and the reduction needs no second pass.
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    x = tl.load(x_row + cols, mask=ok, other=0.0, cache_modifier=X_CACHE)
-    if HAS_RESIDUAL:
-        r = tl.load(res_row + cols, mask=ok, other=0.0)
-        # Round the sum to the storage dtype first: the unfused `x + residual` stores it that
-        # way, and both the norm and the next layer read that rounded value.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_row.dtype.element_ty)
-        tl.store(new_res_row + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, 0) / n_cols
-    normed = xf * tl.rsqrt(mean_sq + eps)
-    # F.rms_norm / HF: normalise in fp32, cast to the input dtype, then multiply by the weight in
-    # that dtype (one more rounding).
-    normed = normed.to(x_row.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_row + cols, (normed * w).to(out_row.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # [T, N]
     res_ptr,  # [T, N] (unused when not HAS_RESIDUAL)
@@ -74,15 +38,30 @@ def _add_rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,  # n_cols rounded up to a power of two
+    BLOCK: tl.constexpr,  # n_cols rounded up to a power of two: the whole row in one tile
     GDC: tl.constexpr,
 ):
     _gdc_begin(GDC)
-    row = tl.program_id(0).to(tl.int64)  # one program per row
-    _add_rms_norm_row(
-        x_ptr + row * stride_x, res_ptr + row * stride_r, w_ptr, out_ptr + row * n_cols,
-        new_res_ptr + row * n_cols, n_cols, eps, HAS_RESIDUAL, BLOCK, "",
-    )  # fmt: skip
+    # One program per row: a row of a decoder's hidden state (<= 16k values) fits in registers,
+    # so the row is read once and the reduction needs no second pass.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        # Round the sum to the storage dtype first: the unfused `x + residual` stores it that
+        # way, and both the norm and the next layer read that rounded value.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * n_cols + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, 0) / n_cols
+    normed = xf * tl.rsqrt(mean_sq + eps)
+    # F.rms_norm / HF: normalise in fp32, cast to the input dtype, then multiply by the weight in
+    # that dtype (one more rounding).
+    normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -7,52 +7,41 @@ importable and the tensors are on CUDA) should import it.
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_fused import _add_rms_norm_row
-
 PLAIN = tl.constexpr(0)  # out[n] = w[n] . x
 GLU = tl.constexpr(1)  # out[n] = silu(w[n] . x) * (w[N + n] . x): gate_up and silu-and-mul
-NORM = tl.constexpr(2)  # out as PLAIN, then the residual add + RMSNorm of the whole out row
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [K] contiguous
-    w_ptr,  # [R, K] row-major: R = N (PLAIN, NORM), 2N (GLU: gate rows, then up rows)
+    w_ptr,  # [R, K] row-major: R = N (PLAIN), 2N (GLU: gate rows, then up rows)
     out_ptr,  # [N]
     part_ptr,  # [SPLIT_K, NQ] fp32 workspace (SPLIT_K > 1)
     count_ptr,  # [cdiv(NQ, BLOCK_N)] int32, zero between calls (SPLIT_K > 1)
-    res_ptr,  # NORM: [N] the residual stream before out
-    nw_ptr,  # NORM: [N] the norm's weight
-    normed_ptr,  # NORM: [N] norm(out + residual) * weight
-    new_res_ptr,  # NORM: [N] out + residual
-    done_ptr,  # NORM: [1] int32, zero between calls
-    eps,  # NORM: the norm's epsilon
     N: tl.constexpr,  # outputs (GLU: gate/up pairs); one compiled variant per weight shape
-    NQ: tl.constexpr,  # weight rows read: N (PLAIN, NORM), 2N (GLU)
+    NQ: tl.constexpr,  # weight rows read: N (PLAIN), 2N (GLU)
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,  # weight rows a program reads
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_PER: tl.constexpr,  # the K slice of one program, whole BLOCK_K tiles
-    MODE: tl.constexpr,  # PLAIN, GLU or NORM
-    NORM_BLOCK: tl.constexpr,  # NORM: N rounded up to a power of two
+    MODE: tl.constexpr,  # PLAIN or GLU
     GDC: tl.constexpr,
-):  # fmt: skip
+):
     # out[n] = sum_k w[n, k] x[k]. A program owns BLOCK_N weight rows over one of SPLIT_K slices
     # of K. With SPLIT_K > 1 partial sums go to the workspace and the last program of each row
     # block to finish (an acq_rel counter) adds them in split order and resets the counter: one
     # launch, no zeroing pass, safe to replay in a CUDA graph, and the same sum every time.
     # GLU reads the two rows of each output (gate, up) side by side in one tile: the same tile
     # shape, grid and split as the PLAIN GEMV of the whole weight, so each row is summed exactly
-    # as that GEMV sums it, and the epilogue sees the values it would store. NORM: the last row block to be stored (a second acq_rel
-    # counter) reads the whole out row back and runs ops/triton_fused.py's add + RMSNorm on it.
+    # as that GEMV sums it, and the epilogue sees the values it would store.
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch (it waits for us)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # row slots, in program order
     q_ok = q < NQ
-    if MODE == PLAIN or MODE == NORM:
+    if MODE == PLAIN:
         rows = q
     else:
         rows = q // 2 + (q % 2) * N  # pair p: gate row p, up row N + p
@@ -84,17 +73,8 @@ def _gemv_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
     if last:
         dt = out_ptr.dtype.element_ty
-        if MODE == PLAIN or MODE == NORM:
+        if MODE == PLAIN:
             tl.store(out_ptr + q, acc.to(dt), mask=q_ok)
-            if MODE == NORM:
-                tl.debug_barrier()  # every thread's share of the row block is stored
-                stored = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-                if stored == (NQ + BLOCK_N - 1) // BLOCK_N - 1:
-                    _add_rms_norm_row(
-                        out_ptr, res_ptr, nw_ptr, normed_ptr, new_res_ptr, N, eps, True,
-                        NORM_BLOCK, ".cg",
-                    )  # fmt: skip
-                    tl.atomic_xchg(done_ptr, 0)
         else:
             a, b = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))  # [BLOCK_N // 2] each
             rn = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
