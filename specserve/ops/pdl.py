@@ -13,16 +13,18 @@ the flag keep plain stream order, so kernels with and without PDL mix freely.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import torch
 
 from specserve import env
-from specserve.ops.triton_attention import use_triton
 
 
 @functools.lru_cache(maxsize=8)
 def _supported(device_index: int) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
     import triton.language as tl
@@ -38,7 +40,6 @@ def pdl_enabled(x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and env.settings.pdl
-        and use_triton(x.device)
         and _supported(x.device.index if x.device.index is not None else 0)
     )
 

@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 
 from specserve.ops.forward_context import ForwardContext, KVCache
+from specserve.ops.pdl import launch_options
 
 # A split-KV chunk shorter than this costs more to merge than it saves.
 MIN_KEYS_PER_SPLIT = 128
@@ -229,6 +230,6 @@ def paged_attention_triton(
         SLIDING=window > 0,
         # fp32 caches get true fp32 products (tf32 would cost ~3e-4 relative error)
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
     )  # fmt: skip
     return out

@@ -168,7 +168,13 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,  # window > 0
     DOT_PRECISION: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL (specserve.ops.pdl)
 ):
+    if GDC:
+        # The next kernel (o_proj's GEMV at one row) may launch and load its first weight tile
+        # meanwhile; everything read below (q, the cache, the step's lengths) waits.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0) // NUM_SPLITS
     split = tl.program_id(0) % NUM_SPLITS
     b = tl.program_id(1)
