@@ -98,7 +98,7 @@ case ${1:-decode} in
       python3 tools/profile_step.py --model dummy:smollm2-135m --batch 1 --graphs --dtype bfloat16 --top 25 ${C:+--speculative-config "$C"} --json "$OUT/profile_b1_${m}_smollm2.json"
     done ;;
   anchor)  # batch-1 decode against gpt-fast's compiled decoder, paired (needs make devcarry GPT_FAST=CLONE)
-    python3 tools/gpt_fast_ab.py --gpt-fast .devcarry/gpt-fast --off gemv_epilogues --json "$OUT/gpt_fast_ab.json" ;;
+    python3 tools/gpt_fast_ab.py --gpt-fast .devcarry/gpt-fast --off gemv_whole_k --off gemv_epilogues --json "$OUT/gpt_fast_ab.json" ;;
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;

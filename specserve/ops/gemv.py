@@ -9,6 +9,12 @@ cuBLAS, 122.0 with the GEMV alone, 115.0 with the GEMV under PDL. Without PDL it
 than cuBLAS, so it runs only where PDL does (`specserve.ops.pdl`); elsewhere, and for more than
 one row, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns it off.
 
+Small K (<= WHOLE_K_MAX: every projection of a 135M-class model) is not split: each program
+loads its whole weight slice before the wait, so after the previous kernel only x is read and
+the sums are stored; no weight load and no cross-program reduction (a counter round trip and a
+reload of partial sums) wait on it. Large K keeps the split, where bandwidth, not latency, is
+the limit. `env.settings.gemv_whole_k` ($SPECSERVE_GEMV_WHOLE_K=0) splits every K.
+
 The MLP's gate_up projection at one row runs as one GLU GEMV (`gemv_glu`): silu(gate) * up in
 the GEMV's epilogue, so the [1, 2I] projection is never written and silu-and-mul is not a kernel
 of its own; the result equals the GEMV followed by the fused silu-and-mul, bit for bit.
@@ -35,6 +41,9 @@ BLOCK_K = 256
 # gate_up 1, the sweep's best per shape).
 TARGET_PROGRAMS = 2048
 MAX_SPLIT_K = 4
+# Up to this K a program reads its whole weight slice at once, before the wait (WHOLE_K): a
+# BLOCK_N x 2048 bf16 slice is 64 values a thread in 8 warps, registers without spills.
+WHOLE_K_MAX = 2048
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,6 +55,10 @@ def _kernels() -> ModuleType:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def split_k(n: int) -> int:
@@ -65,19 +78,24 @@ class GemvPlan:
 
     def __init__(self, n: int, k: int, device: torch.device, paired: bool = False) -> None:
         rows = 2 * n if paired else n
-        blocks, split = _cdiv(rows, BLOCK_N), split_k(rows)
-        self.n, self.rows, self.k, self.split_k = n, rows, k, split
-        self.k_per = _cdiv(_cdiv(k, split), BLOCK_K) * BLOCK_K  # whole BLOCK_K tiles
+        # small K: one program per row block reads all of K before it waits (WHOLE_K); else K
+        # is split until the grid is wide and read in BLOCK_K tiles
+        whole = _pow2(k) if k <= WHOLE_K_MAX and env.settings.gemv_whole_k else 0
+        blocks, split = _cdiv(rows, BLOCK_N), 1 if whole else split_k(rows)
+        self.n, self.rows, self.k, self.split_k, self.whole_k = n, rows, k, split, whole
+        self.warps = max(4, BLOCK_N * whole // 2048)  # <= 64 slice values a thread
+        # whole BLOCK_K tiles (WHOLE_K: the one power-of-two tile)
+        self.k_per = whole or _cdiv(_cdiv(k, split), BLOCK_K) * BLOCK_K
         self.grid = (blocks, split)
         self.part = torch.empty(split, rows, device=device, dtype=torch.float32)
         self.count = torch.zeros(blocks, device=device, dtype=torch.int32)
 
 
-_plans: dict[tuple[int, int, torch.device, bool], GemvPlan] = {}
+_plans: dict[tuple[int, int, torch.device, bool, bool], GemvPlan] = {}
 
 
 def _plan(n: int, k: int, device: torch.device, paired: bool = False) -> GemvPlan:
-    key = (n, k, device, paired)
+    key = (n, k, device, paired, env.settings.gemv_whole_k)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = GemvPlan(n, k, device, paired)
@@ -103,7 +121,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, plan: GemvPlan, mode: int) ->
     _kernels()._gemv_kernel[plan.grid](
         x, weight, out, plan.part, plan.count,
         N=plan.n, NQ=plan.rows, K=plan.k, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=plan.split_k,
-        K_PER=plan.k_per, MODE=mode, GDC=True, launch_pdl=True, num_warps=4, num_stages=3,
+        K_PER=plan.k_per, MODE=mode, WHOLE_K=plan.whole_k, GDC=True, launch_pdl=True,
+        num_warps=plan.warps, num_stages=3,
     )  # fmt: skip
     return out
 

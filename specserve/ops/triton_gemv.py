@@ -26,6 +26,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     K_PER: tl.constexpr,  # the K slice of one program, whole BLOCK_K tiles
     MODE: tl.constexpr,  # PLAIN or GLU
+    WHOLE_K: tl.constexpr,  # > 0: K rounded up to a power of two, the whole row read at once
     GDC: tl.constexpr,
 ):
     # out[n] = sum_k w[n, k] x[k]. A program owns BLOCK_N weight rows over one of SPLIT_K slices
@@ -35,6 +36,9 @@ def _gemv_kernel(
     # GLU reads the two rows of each output (gate, up) side by side in one tile: the same tile
     # shape, grid and split as the PLAIN GEMV of the whole weight, so each row is summed exactly
     # as that GEMV sums it, and the epilogue sees the values it would store.
+    # WHOLE_K (small K, SPLIT_K == 1): the program's whole weight slice is loaded before the
+    # wait, so once the previous kernel is done only x is read: no weight load and no
+    # cross-program reduction on the critical path.
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch (it waits for us)
     pid_n = tl.program_id(0)
@@ -46,21 +50,22 @@ def _gemv_kernel(
     else:
         rows = q // 2 + (q % 2) * N  # pair p: gate row p, up row N + p
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
-    rk = pid_k * K_PER + tl.arange(0, BLOCK_K)
+    rk = pid_k * K_PER + tl.arange(0, BLOCK_K if WHOLE_K == 0 else WHOLE_K)
     k_ok = rk < K
-    # The first weight tile does not depend on the previous kernel: under PDL it is loaded
-    # while that kernel drains (weights are what a batch-1 step waits on).
+    # The first weight tile (WHOLE_K: all of them) does not depend on the previous kernel:
+    # under PDL it is loaded while that kernel drains (weights are what a batch-1 step waits on).
     w = tl.load(w_rows + rk[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BLOCK_N]
-    for i in range(BLOCK_K, K_PER, BLOCK_K):
-        rk = pid_k * K_PER + i + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + rk[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if WHOLE_K == 0:
+        for i in range(BLOCK_K, K_PER, BLOCK_K):
+            ri = pid_k * K_PER + i + tl.arange(0, BLOCK_K)
+            i_ok = ri < K
+            xi = tl.load(x_ptr + ri, mask=i_ok, other=0.0).to(tl.float32)
+            wi = tl.load(w_rows + ri[None, :], mask=q_ok[:, None] & i_ok[None, :], other=0.0)
+            acc += tl.sum(wi.to(tl.float32) * xi[None, :], axis=1)
     last = SPLIT_K == 1
     if SPLIT_K > 1:
         tl.store(part_ptr + pid_k * NQ + q, acc, mask=q_ok)

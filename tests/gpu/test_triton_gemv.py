@@ -41,7 +41,11 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576), 
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_matches_linear(pdl_cuda, n, k, dtype) -> None:
+@pytest.mark.parametrize("whole_k", [True, False])
+def test_gemv_matches_linear(pdl_cuda, n, k, dtype, whole_k, monkeypatch) -> None:
+    """Either way of reading K (the whole slice before the wait where K is small, or split K
+    tiles) gives F.linear's values, and the same sums call after call."""
+    monkeypatch.setattr(env.settings, "gemv_whole_k", whole_k)
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(pdl_cuda, dtype)
     x = torch.randn(1, k, generator=gen).to(pdl_cuda, dtype)
@@ -52,7 +56,9 @@ def test_gemv_matches_linear(pdl_cuda, n, k, dtype) -> None:
     _close(first, want)
     again = gemv.linear(x, w, None)  # the split-K counters are back at zero: the same sum
     assert torch.equal(first, again)
-    assert int(gemv._plan(n, k, pdl_cuda).count.sum()) == 0
+    plan = gemv._plan(n, k, pdl_cuda)
+    assert int(plan.count.sum()) == 0
+    assert (plan.whole_k > 0) == (whole_k and k <= gemv.WHOLE_K_MAX)
 
 
 # [2I, K]: Llama-3.1-8B and SmolLM2 gate_up (K split 1 and 4), partial tiles in I and K
@@ -61,9 +67,13 @@ GLU_SHAPES = [(28672, 4096), (3072, 576), (200, 300), (26, 1000)]
 
 @pytest.mark.parametrize("two_i,k", GLU_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_glu_gemv_equals_the_gemv_then_silu_and_mul(pdl_cuda, two_i, k, dtype) -> None:
+@pytest.mark.parametrize("whole_k", [True, False])
+def test_glu_gemv_equals_the_gemv_then_silu_and_mul(
+    pdl_cuda, two_i, k, dtype, whole_k, monkeypatch
+) -> None:
     """One launch with silu-and-mul in the epilogue: bit for bit what the GEMV of the stacked
     weight followed by the fused silu-and-mul kernel gives."""
+    monkeypatch.setattr(env.settings, "gemv_whole_k", whole_k)
     gen = torch.Generator().manual_seed(two_i + k)
     w = (torch.randn(two_i, k, generator=gen) / k**0.5).to(pdl_cuda, dtype)
     x = torch.randn(1, k, generator=gen).to(pdl_cuda, dtype)
