@@ -13,7 +13,7 @@ restores the previous values on exit:
 | SPECSERVE_TOKENIZER | (none) | tokenizer directory for `dummy:` models (else the default model's) |
 | SPECSERVE_API_KEY | (none) | `specserve serve`'s default `--api-key` |
 | SPECSERVE_GEMV | 1 | one-row Triton GEMV for the decoder linears on CUDA (0: cuBLAS) |
-| SPECSERVE_GEMV_WHOLE_K | 1 | a one-row GEMV over K <= 2048 reads its whole weight slice before waiting on the previous kernel, unsplit (ops/gemv.py) |
+| SPECSERVE_GEMV_WHOLE_K | 1 | a one-row GEMV over K <= 4096 reads its whole weight slice before waiting on the previous kernel, unsplit (ops/gemv.py) |
 | SPECSERVE_GEMV_EPILOGUES | 1 | with the GEMV and the fused ops, a one-row gate_up projection also runs silu-and-mul in its epilogue (ops/gemv.py) |
 | SPECSERVE_FUSED_OPS | 1 | fused add+RMSNorm, rotary + KV write, silu-and-mul: Triton on CUDA, compiled C++ on the CPU (ops/cpu_fused.py, with the greedy argmax) |
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
