@@ -41,6 +41,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--num-prompts", type=int, default=2000, help="prompts answered (default 2000)")
     d.add_argument(
+        "--code-prompts",
+        type=int,
+        default=0,
+        help="also answer this many code-task prompts: functions of Python's standard library "
+        "with an everyday coding instruction each (default 0)",
+    )
+    d.add_argument(
         "--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped (512)"
     )
     d.add_argument(
@@ -163,6 +170,7 @@ def job_from_args(args: argparse.Namespace):
         model=args.model,
         prompts_file=Path(args.prompts) if args.prompts else None,
         turns=args.turns,
+        code_prompts=args.code_prompts,
         num_prompts=args.num_prompts,
         max_prompt_tokens=args.max_prompt_tokens,
         max_answer_tokens=args.max_answer_tokens,

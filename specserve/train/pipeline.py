@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from specserve.train.calibrate import Calibration, calibrate
+from specserve.train.code_prompts import code_task_prompts, source_tag
 from specserve.train.data import (
     AnswerCache,
     DataSpec,
@@ -48,6 +49,7 @@ class HeadTrainingJob:
     model: str | None = None  # None: the default model
     prompts_file: Path | None = None  # None: ShareGPT first turns
     turns: str = "first"  # ShareGPT: "first" turns, or "all" (later turns with their history)
+    code_prompts: int = 0  # code-task prompts from the standard library, besides num_prompts
     num_prompts: int = 2000
     max_prompt_tokens: int = 512
     max_answer_tokens: int = 256
@@ -100,6 +102,8 @@ def check_job(job: HeadTrainingJob) -> None:
         raise TrainHeadError(f"--turns {job.turns!r}: use first or all")
     if job.turns == "all" and job.prompts_file is not None:
         raise TrainHeadError("--turns all reads ShareGPT conversations; drop --prompts")
+    if job.code_prompts < 0:
+        raise TrainHeadError(f"--code-prompts {job.code_prompts}: need >= 0")
     if job.prompts_file is not None and not job.prompts_file.is_file():
         raise TrainHeadError(f"--prompts {job.prompts_file}: no such file")
     ckpt = job.out / "checkpoint" / "state.pt"
@@ -120,8 +124,10 @@ def _log(msg: str) -> None:
 
 def data_source(job: HeadTrainingJob) -> str:
     if job.prompts_file is not None:
-        return str(job.prompts_file)
-    return "sharegpt" if job.turns == "first" else "sharegpt-all-turns"
+        base = str(job.prompts_file)
+    else:
+        base = "sharegpt" if job.turns == "first" else "sharegpt-all-turns"
+    return f"{base}+code{job.code_prompts}-{source_tag()}" if job.code_prompts else base
 
 
 def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[Sample] | None:
@@ -150,6 +156,12 @@ def build_data(job: HeadTrainingJob, llm: Any, deadline: float | None) -> list[S
     else:
         texts = list(file_prompts(job.prompts_file))
     prompts = tokenize_prompts(llm.tokenizer, texts, job.num_prompts, job.max_prompt_tokens)
+    if job.code_prompts:
+        code = code_task_prompts(2 * job.code_prompts + 64, job.train.seed)
+        code_ids = tokenize_prompts(llm.tokenizer, code, job.code_prompts, job.max_prompt_tokens)
+        if len(code_ids) < job.code_prompts:
+            _log(f"{len(code_ids)} code prompts pass the length filter ({job.code_prompts} asked)")
+        prompts += code_ids
     if len(prompts) < 2:
         raise TrainHeadError(f"only {len(prompts)} prompts pass the length filter; need >= 2")
     if len(prompts) < job.num_prompts:
