@@ -9,11 +9,12 @@ cuBLAS, 122.0 with the GEMV alone, 115.0 with the GEMV under PDL. Without PDL it
 than cuBLAS, so it runs only where PDL does (`specserve.ops.pdl`); elsewhere, and for more than
 one row, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns it off.
 
-K <= WHOLE_K_MAX (every projection of a 135M-class model; all but down_proj of an 8B) is not split: each program
-loads its whole weight slice before the wait, so after the previous kernel only x is read and
-the sums are stored; no weight load and no cross-program reduction (a counter round trip and a
-reload of partial sums) wait on it. Larger K keeps the split (a slice would not fit in
-registers). `env.settings.gemv_whole_k` ($SPECSERVE_GEMV_WHOLE_K=0) splits every K.
+K <= WHOLE_K_MAX (every projection of a 135M-class model; all but down_proj of an 8B) is not
+split: each program loads its whole weight slice before the wait, so after the previous kernel
+only x is read and the sums are stored; no weight load and no cross-program reduction (a
+counter round trip and a reload of partial sums) wait on it. Larger K keeps the split (a slice
+would not fit in registers). `env.settings.gemv_whole_k` ($SPECSERVE_GEMV_WHOLE_K=0) splits
+every K.
 
 The MLP's gate_up projection at one row runs as one GLU GEMV (`gemv_glu`): silu(gate) * up in
 the GEMV's epilogue, so the [1, 2I] projection is never written and silu-and-mul is not a kernel
