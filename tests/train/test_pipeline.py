@@ -292,4 +292,6 @@ def test_user_errors_are_one_line_before_loading(
         ["train-head", "--out", str(tmp_path / "r"), "--turns", "all", "--prompts", str(prompts)]
     )
     assert rc == 2 and "--turns all" in capsys.readouterr().err
+    rc = main(["train-head", "--out", str(tmp_path / "s"), "--code-prompts", "-1"])
+    assert rc == 2 and "--code-prompts -1" in capsys.readouterr().err
     shutil.rmtree(out)
