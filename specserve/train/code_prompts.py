@@ -68,9 +68,17 @@ def _functions(path: Path) -> list[str]:
         if not MIN_LINES <= len(body) <= MAX_LINES:
             continue
         code = textwrap.dedent("\n".join(body)) + "\n"
-        if code.isascii():
+        if code.isascii() and _parses(code):  # a method whose strings reach column 0 does not
             out.append(code)
     return out
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False
+    return True
 
 
 def stdlib_functions(num: int, seed: int, root: Path | None = None) -> list[str]:
