@@ -2,7 +2,7 @@
 
 Why: ShareGPT's first turns hold little code, and almost no answers that copy code from their
 prompt, so a head trained on them alone drafts code answers poorly (the HumanEval-rewrite
-benchmark: 1.9 tokens per step against 2.7 on chat). The standard library is on every machine
+benchmark's tokens per step against chat's, README). The standard library is on every machine
 that runs specserve, needs no download and is real, varied Python. Each prompt pairs one of its
 functions (a method or a nested function too; 4 to 40 lines, ASCII) with one of a few everyday
 coding instructions (TASKS); the target answers them like any other training prompt. The
