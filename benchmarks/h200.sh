@@ -58,9 +58,9 @@ case ${1:-decode} in
   gguf1|gguf2|gguf3) mkdir -p /tmp/gguf && cp .devcarry-$1/* /tmp/gguf/ ;;
   train-data) mkdir -p /tmp/train-data && cp .devcarry-train/* /tmp/train-data/ ;;
   train-head|train-head-resume)  # the default model's EAGLE-3 head, trained on its own answers
-    # over three calls (~20 min): the first answers every training prompt (~36k, ~8 min), the
-    # next (train-head-resume, run again until report.json exists) train 600 s in all (the
-    # shipped head's length), calibrate and evaluate
+    # over two calls (~15 min): the first answers every training prompt (14k ShareGPT first
+    # turns and 4k coding tasks, ~5 min) and starts training, the next (train-head-resume, run
+    # again until report.json exists) trains to 600 s in all, calibrates and evaluates
     # a machine lost between the calls loses /tmp: the first call also returns the answers
     # (train_data.tgz.*, in 12 MB parts, ~25 MB): carry them back as .devcarry-train/ in a call
     # of part train-data (alone: with .devcarry they outgrow a call), then the second call
@@ -69,7 +69,7 @@ case ${1:-decode} in
     if [ -n "$R" ] && [ ! -d $TRAIN/data ] && [ -f /tmp/train-data/train_data.tgz.aa ]; then
       mkdir -p $TRAIN && cat /tmp/train-data/train_data.tgz.* | tar xzf - -C $TRAIN
     fi
-    $S train-head --out $TRAIN --turns all --num-prompts 40000 --max-prompt-tokens 1024 --max-num-seqs 512 --train-seconds 600 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 530 --no-progress $R
+    $S train-head --out $TRAIN --num-prompts 14000 --code-prompts 4000 --max-num-seqs 512 --train-seconds 600 --epochs 20 --batch-size 32 --max-tokens-per-batch 16384 --lr 6e-4 --time-limit 530 --no-progress $R
     [ -z "$R" ] && tar czf - -C $TRAIN data | split -b 12m - "$OUT/train_data.tgz."
     if [ -f $TRAIN/report.json ]; then
       cp $TRAIN/report.json "$OUT/train_head_report.json"; cp $TRAIN/train_log.jsonl "$OUT/"
