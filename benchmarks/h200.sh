@@ -28,7 +28,7 @@ join_gguf() {  # the default model's GGUF from the parts the gguf1..3 calls left
 }
 TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
 HEAD=$TRAIN/head
-EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency 1,16 --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats 5 --interleave --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
+EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
   tests)  # the GPU test suite (~4 min): engine tests in order, the rest 6 at a time beside them
     P="python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider"

@@ -38,6 +38,13 @@ def fused_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and env.settings.fused_ops and use_triton(x.device)
 
 
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors. The kernels have no backward: a kernel
+    output would be a constant to autograd and cut every parameter before it off its gradient
+    (head training), so such calls run the torch reference."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # The dispatchers look this up per call (module global), so a test can point it at a predicate
 # that also accepts CPU tensors to run the kernels under TRITON_INTERPRET=1.
 _enabled = fused_enabled
@@ -140,6 +147,7 @@ def add_rms_norm(
     """
     if not (
         _enabled(x)
+        and not records_grad(x, residual, weight)
         and x.dim() == 2
         and x.stride(-1) == 1
         and weight.dtype == x.dtype
@@ -178,7 +186,13 @@ def rope_(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     of stride (H + 2 Hkv) * D); only its last dim must be contiguous.
     """
     t, nh, d = x.shape
-    if not (_enabled(x) and x.stride(-1) == 1 and cos_sin.stride(-1) == 1 and d % 2 == 0):
+    if not (
+        _enabled(x)
+        and not records_grad(x)
+        and x.stride(-1) == 1
+        and cos_sin.stride(-1) == 1
+        and d % 2 == 0
+    ):
         return apply_rope(x, cos_sin)
     assert cos_sin.shape == (t, 2, 1, d), (x.shape, cos_sin.shape)
     if t == 0 or nh == 0:
@@ -214,6 +228,7 @@ def rope_write_kv_(
     hkv = (nh - num_q_heads) // 2
     fused = (
         _enabled(qkv)
+        and not records_grad(qkv)
         and qkv.stride(-1) == 1
         and cos_sin.stride(-1) == 1
         and d % 2 == 0
@@ -247,7 +262,12 @@ def rope_write_kv_(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """silu(gate) * up, for gate and up side by side in the fused gate_up projection output."""
-    if not (_enabled(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1):
+    if not (
+        _enabled(gate_up)
+        and not records_grad(gate_up)
+        and gate_up.dim() == 2
+        and gate_up.stride(-1) == 1
+    ):
         if _cpu_rows_ok(gate_up) and cpu_fused.usable(gate_up):
             return cpu_fused.silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import env
+from specserve.ops.fused import records_grad
 from specserve.ops.pdl import pdl_enabled
 
 BLOCK_N = 8  # outputs per program: the best on the H200 for every decoder shape swept
@@ -113,6 +114,7 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and x.is_contiguous()
         and weight.is_contiguous()
         and env.settings.gemv
+        and not records_grad(x, weight)  # the kernel has no backward
         and pdl_enabled(x)
     )
 

@@ -318,3 +318,12 @@ def test_cpu_uses_reference_without_triton() -> None:
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the kernels' own dispatch")
+def test_head_training_reaches_every_parameter_on_cuda() -> None:
+    """Under autograd the dispatchers keep the torch ops (the kernels have no backward)."""
+    from tests.train.test_ttt import assert_every_parameter_learns
+
+    assert_every_parameter_learns("cuda")

@@ -59,7 +59,7 @@ def _tiny_head(vocab: int = 64, draft: int = 64) -> Eagle3Head:
     return Eagle3Head(cfg, embed_tokens=emb)
 
 
-def _synthetic_batch(vocab: int = 64) -> TTTBatch:
+def _synthetic_batch(vocab: int = 64, device: str = "cpu") -> TTTBatch:
     """Sequences following x_{t+1} = perm[x_t]; the target is sure of it (logit 6)."""
     g = torch.Generator().manual_seed(1)
     perm = torch.randperm(vocab, generator=g)
@@ -73,10 +73,10 @@ def _synthetic_batch(vocab: int = 64) -> TTTBatch:
     logits = 6.0 * nn.functional.one_hot(perm[ids], vocab).float()  # [B, L, V]
     aux = torch.randn(4, 16, 96, generator=g)
     rows = TargetRows(
-        aux.reshape(-1, 96),
-        logits.reshape(-1, vocab),
-        torch.logsumexp(logits, -1).reshape(-1),
-        perm[ids].reshape(-1),
+        aux.reshape(-1, 96).to(device),
+        logits.reshape(-1, vocab).to(device),
+        torch.logsumexp(logits, -1).reshape(-1).to(device),
+        perm[ids].reshape(-1).to(device),
         [16] * 4,
     )
     return TTTBatch.build(seqs, [4] * 4, rows, torch.float32)
@@ -156,3 +156,24 @@ def test_a_window_step_sees_the_context_a_full_step_sees() -> None:
     torch.testing.assert_close(win.kv[0], full.kv[0][:, :, w:])
     off = head(ids[:, w:], step0.prenorm[:, w:], pos[:, w:] + 1, past_kv=[step0.kv], q_offset=w + 1)
     assert not torch.allclose(off.logits, full.logits[:, w:])
+
+
+def assert_every_parameter_learns(device: str) -> None:
+    head = _tiny_head().to(device)
+    res = ttt_loss(head, _synthetic_batch(device=device), ttt_steps=2)
+    res.loss.backward()
+    trained = {n: p for n, p in head.named_parameters() if p.requires_grad}
+    assert {n for n, p in trained.items() if p.grad is None or not p.grad.any()} == set()
+    assert any(n.startswith("midlayer.self_attn") for n in trained)
+
+
+def test_every_parameter_learns_with_the_fused_kernels_on(monkeypatch) -> None:
+    """The head's serving path fuses norms and adds into kernels without a backward; under
+    autograd the dispatchers must keep the torch ops, or each kernel output cuts the parameters
+    before it off the loss (on CUDA only the lm_head learned). Here the kernel path is forced
+    on for every tensor, as on CUDA: a dispatcher that took it under autograd would launch a
+    Triton kernel on CPU tensors."""
+    from specserve.ops import fused
+
+    monkeypatch.setattr(fused, "_enabled", lambda x: True)
+    assert_every_parameter_learns("cpu")
