@@ -3,8 +3,9 @@
 #   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, ignored by git)
 #   on the GPU: bash benchmarks/h200.sh PART      with .devcarry carried; results land in $OUT
 #   the real default model: python tools/devcarry.py --gguf-parts, then `h200.sh gguf1` carrying
-#   .devcarry-gguf1, likewise gguf2 and gguf3, back to back while the machine is warm (a carried
-#   path is gone in the next call unless carried again; /tmp stays)
+#   .devcarry-gguf1 alone (a part and .devcarry outgrow one call), likewise gguf2 and gguf3, back
+#   to back while the machine is warm (a carried path is gone in the next call unless carried
+#   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
 #   train-data | train-head-resume | eagle | steps | host | anchor | structured (default: decode)
 set -uo pipefail
@@ -76,6 +77,7 @@ case ${1:-decode} in
       (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.")
     fi ;;
   eagle)  # the trained head against no speculation, held-out chat and HumanEval prompts
+    # (EAGLE_C=1 REPEATS=2: tokens per step only, ~2 min, where C = 16 and 5 repeats do not fit)
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
