@@ -78,6 +78,10 @@ def _panels(m: nn.Module, bias_ok: bool) -> bool:
     )
 
 
+def _dims(attn: nn.Module) -> tuple[int, int, int]:
+    return attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+
 def _norm_ok(norm: nn.Module) -> bool:
     from specserve.model.layers import RMSNorm
 
@@ -106,11 +110,11 @@ def _build_plan(model: LlamaForCausalLM) -> _Plan:
             and type(attn) is Attention
             and type(mlp) is GatedMLP
             and not attn.qk_norm
-            and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (a0.num_heads,
-                                                                       a0.num_kv_heads, d)
+            and _dims(attn) == _dims(a0)
             and _panels(attn.qkv_proj, bias_ok=True)
-            and all(_panels(m, bias_ok=False) for m in (attn.o_proj, mlp.gate_up_proj,
-                                                         mlp.down_proj))
+            and _panels(attn.o_proj, bias_ok=False)
+            and _panels(mlp.gate_up_proj, bias_ok=False)
+            and _panels(mlp.down_proj, bias_ok=False)
             and _norm_ok(layer.input_layernorm)
             and _norm_ok(layer.post_attention_layernorm)
         ):
