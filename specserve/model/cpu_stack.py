@@ -26,6 +26,7 @@ Triton kernels and graphs; everything else keeps the per-op loop.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,8 +41,6 @@ from specserve.ops.forward_context import ForwardContext, KVCache
 
 if TYPE_CHECKING:
     from specserve.model.llama import LlamaForCausalLM
-
-_PLAN_ATTR = "_cpu_stack_plan"
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -185,6 +184,11 @@ class Stack:
         )  # fmt: skip
 
 
+# model -> its plan; beside the model rather than on it, so that the model still deep-copies
+# (ctypes tables cannot be) and a copy builds its own
+_plans: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
 def stack_for(
     model: LlamaForCausalLM,
     x: torch.Tensor,  # [T, hidden]
@@ -202,10 +206,9 @@ def stack_for(
         return None
     if torch.is_grad_enabled() or not caches:
         return None
-    plan = model.__dict__.get(_PLAN_ATTR)
+    plan = _plans.get(model)
     if plan is None or not plan.current(model):
-        plan = _build_plan(model)
-        model.__dict__[_PLAN_ATTR] = plan
+        plan = _plans[model] = _build_plan(model)
     if plan.params is None:
         return None
     kernels = cpu_layer.kernels()
