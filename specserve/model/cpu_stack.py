@@ -54,17 +54,19 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 class _Plan:
     """What one model's layers are, checked once; `params` None: the stack does not apply."""
 
-    linears: list[nn.Module]  # every layer's four linears, to notice a swap (quantization)
+    # every layer's four linears, to notice a swap (quantization); weak: a plan keeps no module
+    # alive (a tensor-parallel layer holds its group, whose workers end with the engine)
+    linears: list[weakref.ref[nn.Module]]
     params: list[cpu_layer.LayerParams] | None
     shape: cpu_layer.Shape | None
     scale: float = 0.0
-    # cache pointers (k, v of every layer) -> the kernel's per-layer table
-    tables: dict[tuple[int, ...], ctypes.Array] = field(default_factory=dict)
+    # the caches (dtype, shape, k and v pointers of every layer) -> the kernel's layer table
+    tables: dict[tuple[object, ...], ctypes.Array] = field(default_factory=dict)
 
     def current(self, model: LlamaForCausalLM) -> bool:
         now = [m for layer in model.layers for m in _linears(layer)]
         return len(now) == len(self.linears) and all(
-            a is b for a, b in zip(now, self.linears, strict=True)
+            a is b() for a, b in zip(now, self.linears, strict=True)
         )
 
 
@@ -93,7 +95,7 @@ def _build_plan(model: LlamaForCausalLM) -> _Plan:
     from specserve.model.llama import Attention, DecoderLayer
 
     layers = list(model.layers)
-    linears = [m for layer in layers for m in _linears(layer)]
+    linears = [weakref.ref(m) for layer in layers for m in _linears(layer)]
     off = _Plan(linears, None, None)
     if not layers:
         return off
@@ -214,7 +216,8 @@ def stack_for(
     kernels = cpu_layer.kernels()
     if kernels is None:
         return None
-    key = tuple(p for c in caches for p in (c.k.data_ptr(), c.v.data_ptr()))
+    k0 = caches[0].k
+    key = (k0.dtype, k0.shape, *(p for c in caches for p in (c.k.data_ptr(), c.v.data_ptr())))
     table = plan.tables.get(key)
     if table is None:
         if len(caches) != len(plan.params) or not _caches_ok(caches):
