@@ -23,6 +23,7 @@ restores the previous values on exit:
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |
 | SPECSERVE_CPU_LINEAR | auto | CPU linear layers: auto = oneDNN over weights packed at load (model/cpu_linear.py) where it applies; torch = F.linear |
+| SPECSERVE_CPU_LAYER | auto | CPU decoder layers: auto = all layers of a forward in one compiled call (model/cpu_stack.py) where it applies (fp32, panel GEMMs, compiled fused ops and attention), bit-identical to the per-op path; off = one call per op |
 | SPECSERVE_INT4_HEAD | auto | lm_head under quantization="int4": auto = int4 where the GGUF stores it (or the tied embedding) as Q4_1, else int8 per channel (4 bits re-quantized from 8 cost the default model ~9 points of greedy agreement); int4 / int8 = always that |
 | SPECSERVE_GRAMMAR_MASK_OP | auto | how grammar bitmasks reach the logits: auto = xgrammar's Triton kernel on CUDA (the torch path where it cannot be built), a byte-table gather and add elsewhere; torch = that torch path everywhere |
 | SPECSERVE_CPU_THREADS | keep | intra-op threads of a CPU engine: keep = torch's own (one per core), auto = cores - 1 (one left to the host loop: faster where other processes share the cores), or a count |
@@ -66,6 +67,7 @@ class Settings:
     cpu_threads: str  # "auto" | "keep" | a count (engine/cpu_threads.py)
     cpu_attention: str  # "auto" | "kernel" | "torch" (ops/cpu_attention.py)
     cpu_linear: str  # "auto" | "torch" (model/cpu_linear.py)
+    cpu_layer: str  # "auto" | "off" (model/cpu_stack.py)
     int4_head: str  # "auto" | "int4" | "int8" (model/quant_int4.py)
     grammar_mask_op: str  # "auto" | "torch" (ops/logits_processing.py)
 
@@ -88,6 +90,7 @@ class Settings:
             cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
             cpu_attention=_choice(environ, "SPECSERVE_CPU_ATTENTION", ("auto", "kernel", "torch")),
             cpu_linear=_choice(environ, "SPECSERVE_CPU_LINEAR", ("auto", "torch")),
+            cpu_layer=_choice(environ, "SPECSERVE_CPU_LAYER", ("auto", "off")),
             int4_head=_choice(environ, "SPECSERVE_INT4_HEAD", ("auto", "int4", "int8")),
             grammar_mask_op=_choice(environ, "SPECSERVE_GRAMMAR_MASK_OP", ("auto", "torch")),
         )

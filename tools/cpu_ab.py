@@ -12,10 +12,13 @@ and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `i
 attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
 optionally `@threads`. A `+flinear` after the name keeps F.linear for the linear layers
 ($SPECSERVE_CPU_LINEAR=torch; else oneDNN over packed weights, model/cpu_linear.py); `+kvbf16`
-stores the KV cache in bf16 (kv_cache_dtype):
+stores the KV cache in bf16 (kv_cache_dtype); `+perop` runs the decoder layers one call per op
+($SPECSERVE_CPU_LAYER=off; else one compiled call for all layers where it applies,
+model/cpu_stack.py; it shares the engine of the variant without it):
 
     python tools/cpu_ab.py --variants fp32:torch,fp32:kernel --repeats 5
     python tools/cpu_ab.py --variants fp32+flinear@2,fp32@2 --repeats 5
+    python tools/cpu_ab.py --variants fp32+perop@2,fp32@2 --repeats 5
 
 `llamacpp` (batch 1 only) runs the default model's GGUF (Q4_1) in llama.cpp through
 llama-cpp-python, greedy on the same prompt ids, timed the same way (tokens after the first over
@@ -143,8 +146,8 @@ def parse_variant(v: str) -> dict[str, Any]:
         return {"name": v, "engine": None, "external": name, "threads": int(threads or 1)}
     name, _, attention = name.partition(":")
     name, plus, suffix = name.partition("+")
-    if plus and suffix not in ("flinear", "kvbf16"):
-        raise SystemExit(f"unknown suffix in {v!r} (+flinear or +kvbf16)")
+    if plus and suffix not in ("flinear", "kvbf16", "perop"):
+        raise SystemExit(f"unknown suffix in {v!r} (+flinear, +kvbf16 or +perop)")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
     quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
@@ -164,6 +167,7 @@ def parse_variant(v: str) -> dict[str, Any]:
         "engine": kw,
         "threads": int(threads) if threads else None,
         "attention": attention or None,
+        "layer": "off" if suffix == "perop" else None,  # run time: $SPECSERVE_CPU_LAYER
     }
 
 
@@ -250,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"repeat {r} {v['name']:>10}: batch1 {one:7.2f} tok/s, "
                       f"batch{args.batch} {many:7.2f} tok/s", flush=True)  # fmt: skip
                 continue
-            path = v.get("attention")
-            with env.override(cpu_attention=path) if path else contextlib.nullcontext():
+            switches = {"cpu_attention": v.get("attention"), "cpu_layer": v.get("layer")}
+            switches = {k: x for k, x in switches.items() if x}
+            with env.override(**switches) if switches else contextlib.nullcontext():
                 try:
                     one = run_specserve(v["llm"], reqs1, s1).median_decode_tok_s
                     many = run_specserve(v["llm"], reqsn, sn).output_tok_s

@@ -7,7 +7,9 @@ Only decode-shaped steps (every row wants logits: no prompt chunk) are counted.
 
 Timers are forward hooks on the model's modules and wrappers set on the engine's objects for the
 instrumented run only (removed after it); they cost a few microseconds each, so the instrumented
-step is a little slower than the plain one (both are reported).
+step is a little slower than the plain one (both are reported). The instrumented run keeps one
+call per op (SPECSERVE_CPU_LAYER=off): the compiled layer stack (model/cpu_stack.py) would run
+the layers without calling the modules the timers hook; the plain run uses the default.
 
 Parts of a step (ms per decode step):
   gemm.<proj>      qkv_proj, o_proj, gate_up_proj, down_proj summed over layers; lm_head
@@ -32,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from specserve import env
 from specserve.bench.datasets import BenchRequest, random_requests
 from specserve.sampling_params import SamplingParams
 
@@ -212,7 +215,8 @@ def instrument(llm: Any) -> Iterator[StepTimers]:
     eng.step = timed_step
     patched.append((eng, "step"))
     try:
-        yield timers
+        with env.override(cpu_layer="off"):  # hooks need the modules called (module doc)
+            yield timers
     finally:
         for h in handles:
             h.remove()

@@ -62,6 +62,20 @@ class AuxCapture:
         else:
             torch.add(x, residual, out=dst)  # the stream the next norm would form
 
+    def targets(self, num_rows: int, num_layers: int) -> dict[int, torch.Tensor]:
+        """Where a compiled forward (model/cpu_stack.py) writes what `record` would: chosen
+        layer -> [T, H] view of `rows` (row stride n * H)."""
+        if num_rows > self.rows.shape[0]:
+            raise RuntimeError(
+                f"hidden-state capture holds {self.rows.shape[0]} rows; a forward has {num_rows}"
+            )
+        h = self.hidden_size
+        return {
+            layer: self.rows[:num_rows, j * h : (j + 1) * h]
+            for layer, j in self._column.items()
+            if layer < num_layers
+        }
+
     def finish(self, ctx: ForwardContext, num_rows: int) -> None:
         self.num_rows = num_rows
         if self.sink is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.model import cpu_stack
 from specserve.model.aux_capture import AuxCapture
 from specserve.model.config import ModelConfig
 from specserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -143,14 +144,18 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, ctx.max_context_len, x.dtype)
-        # Checked once here rather than in each layer's KV write.
-        all_valid = slots_all_valid(ctx.slot_mapping)
         residual: torch.Tensor | None = None
         cap = self.aux_capture
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if cap is not None:
-                cap.record(i, x, residual)
-            x, residual = layer(x, residual, cos_sin, cache, ctx, all_valid)
+        stack = cpu_stack.stack_for(self, x, cos_sin, kv_caches, ctx)  # CPU fp32: one call
+        if stack is not None:
+            x, residual = stack.run(x, cos_sin, kv_caches, ctx, cap)
+        else:
+            # Checked once here rather than in each layer's KV write.
+            all_valid = slots_all_valid(ctx.slot_mapping)
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if cap is not None:
+                    cap.record(i, x, residual)
+                x, residual = layer(x, residual, cos_sin, cache, ctx, all_valid)
         if cap is not None:
             cap.finish(ctx, x.shape[0])
         return self.norm.add_forward(x, residual)[0]

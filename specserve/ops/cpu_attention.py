@@ -33,8 +33,8 @@ _ABI_VERSION = 1
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-class _Args(ctypes.Structure):
-    """Mirror of `Args` in cpu_attention.cpp (same order, same widths)."""
+class Args(ctypes.Structure):
+    """Mirror of `SpecserveAttentionArgs` (cpu_attention_args.h: same order, same widths)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -69,7 +69,7 @@ def _load() -> ctypes.CDLL:
     lib = cpu_build.load(_SOURCE)
     if lib.specserve_cpu_attention_version() != _ABI_VERSION:
         raise RuntimeError("cpu_attention library has a different ABI version")
-    lib.specserve_cpu_attention.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+    lib.specserve_cpu_attention.argtypes = [ctypes.POINTER(Args), ctypes.c_int]
     lib.specserve_cpu_attention.restype = ctypes.c_int
     return lib
 
@@ -115,6 +115,23 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
+def attention_meta(
+    ctx: ForwardContext,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 copies of query_lens [B], context_lens [B], cu_query_lens [B + 1] and block_tables
+    [B, max_blocks], made once per forward (cached on ctx) and shared by every layer."""
+    meta = ctx.__dict__.get("_cpu_attention_meta")
+    if meta is None:
+        meta = (
+            _int32(ctx.query_lens),
+            _int32(ctx.context_lens),
+            _int32(ctx.cu_query_lens),
+            _int32(ctx.block_tables),
+        )
+        ctx.__dict__["_cpu_attention_meta"] = meta
+    return meta
+
+
 def paged_attention_cpu(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [T, H, D]
@@ -129,18 +146,8 @@ def paged_attention_cpu(
     if qf.stride(2) != 1:
         qf = qf.contiguous()
     out = torch.empty(t, h, d, dtype=torch.float32)
-    # int32 views of the context tensors, shared by every layer of the forward
-    meta = ctx.__dict__.get("_cpu_attention_meta")
-    if meta is None:
-        meta = (
-            _int32(ctx.query_lens),
-            _int32(ctx.context_lens),
-            _int32(ctx.cu_query_lens),
-            _int32(ctx.block_tables),
-        )
-        ctx.__dict__["_cpu_attention_meta"] = meta
-    q_lens, c_lens, starts, tables = meta
-    args = _Args(
+    q_lens, c_lens, starts, tables = attention_meta(ctx)
+    args = Args(
         qf.data_ptr(),
         qf.stride(0),
         qf.stride(1),

@@ -25,7 +25,7 @@ def _portable_build() -> ctypes.CDLL:
     if cpu_build.compiler() is None:
         pytest.skip("no C++ compiler")
     built = cpu_build.load(cpu_attention._SOURCE, ("-DSPECSERVE_PORTABLE",))
-    built.specserve_cpu_attention.argtypes = [ctypes.POINTER(cpu_attention._Args), ctypes.c_int]
+    built.specserve_cpu_attention.argtypes = [ctypes.POINTER(cpu_attention.Args), ctypes.c_int]
     built.specserve_cpu_attention.restype = ctypes.c_int
     return built
 
