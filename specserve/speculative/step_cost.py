@@ -165,7 +165,7 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     key = f"{eng.model_name}|{dev}|{eng.dtype}|{eng.kv_dtype}|{torch.get_num_threads()}|{buckets}"
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep3"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
-    key += f"|fused={env.settings.fused_ops}"
+    key += f"|fused={env.settings.fused_ops}|layer={env.settings.cpu_layer}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
