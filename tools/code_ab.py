@@ -9,7 +9,7 @@ version (PYTHONPATH = that version's tree), in alternating order (base first on 
 each writing its JSON report. A metric is read from both reports by --metric paths; the
 result per metric is the median of the per-repeat new/base ratios with its bootstrap interval
 (bench/report.py median_interval). Built-in metrics: host-profile's host_cpu_us mean per batch
-size, throughput's tokens/s figures, structured's step times (the JSON step's extra time over
+size, throughput's and spec-sweep's tokens/s figures, structured's step times (the JSON step's extra time over
 a plain step, paired within each report).
 """
 
@@ -48,10 +48,14 @@ def metrics(report: dict[str, Any]) -> dict[str, float]:
         out["mask_ms_per_step"] = report["median_mask_ms_per_step"]
         return out
 
-    def walk(x: Any, path: str) -> None:  # throughput: every tokens-per-second figure
+    def walk(x: Any, path: str) -> None:  # throughput, spec-sweep: every tokens/s figure
         if isinstance(x, dict):
             for k, v in x.items():
                 walk(v, f"{path}.{k}" if path else k)
+        elif isinstance(x, list):  # spec-sweep's points: named by mode and concurrency
+            for i, v in enumerate(x):
+                name = f"{v['mode']}@{v.get('concurrency')}" if isinstance(v, dict) else i
+                walk(v, f"{path}.{name}" if path else str(name))
         elif isinstance(x, (int, float)) and path.endswith("tok_s"):
             out[path] = float(x)
 

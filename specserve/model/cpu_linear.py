@@ -58,7 +58,9 @@ class PackedLinear(nn.Module):
         self.lib = cpu_gemm.kernel() if weight.dtype == torch.float32 else None
         w = weight.detach().contiguous()
         if self.lib is not None:
-            self.panels = cpu_gemm.to_panels(w)  # [ceil(N / 16), K, 16]
+            # bf16 values (a bf16 checkpoint): bf16 panels, half the bytes, the same products
+            dt = torch.bfloat16 if cpu_gemm.bf16_exact(w) else torch.float32
+            self.panels = cpu_gemm.to_panels(w, dt)  # [ceil(N / 16), K, 16]
         else:
             self.packed = w.to_mkldnn()  # [N, K], oneDNN's layout
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -79,7 +81,7 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "panels" if self.lib is not None else "oneDNN"
+        kind = f"panels {self.panels.dtype}" if self.lib is not None else "oneDNN"
         return f"{self.in_features}, {self.out_features}, packed={kind}"
 
 

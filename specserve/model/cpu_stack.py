@@ -74,7 +74,7 @@ def _panels(m: nn.Module, bias_ok: bool) -> bool:
     return (
         type(m) is PackedLinear
         and m.lib is not None
-        and m.panels.dtype == torch.float32
+        and m.panels.dtype in (torch.float32, torch.bfloat16)
         and (bias_ok or m.bias is None)
     )
 

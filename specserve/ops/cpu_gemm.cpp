@@ -12,10 +12,13 @@
 // extensions give AVX-512 under -march=native and narrower vectors elsewhere.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
 
 constexpr int kLanes = 16;
 constexpr int kGroup = 3;  // panels per work item: 48 outputs, 3 independent chains per row
@@ -26,9 +29,20 @@ inline v16 load(const float* p) {
     return v;
 }
 
-// ROWS input rows x NP panels: ROWS * NP accumulators in registers.
-template <int ROWS, int NP>
-inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int K,
+// bf16 panels: 16 weights widened to fp32 exactly (a bf16 is the top half of its fp32), so the
+// FMA chain is the fp32 panels' bit for bit, at half the bytes read
+inline v16 load(const uint16_t* p) {
+    h16 h;
+    std::memcpy(&h, p, sizeof h);
+    const u16 w = __builtin_convertvector(h, u16) << 16;
+    v16 v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+// ROWS input rows x NP panels: ROWS * NP accumulators in registers. W: float or bf16 bits.
+template <int ROWS, int NP, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panels, int64_t panel_stride, int K,
                  float* acc_out) {
     v16 acc[ROWS][NP] = {};
     for (int k = 0; k < K; ++k) {
@@ -42,8 +56,8 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel
     std::memcpy(acc_out, acc, sizeof acc);
 }
 
-template <int NP>
-void rows_chunk(const float* x, int64_t ldx, int rows, const float* panels, int64_t panel_stride,
+template <int NP, typename W>
+void rows_chunk(const float* x, int64_t ldx, int rows, const W* panels, int64_t panel_stride,
                 int K, float* acc) {
     switch (rows) {
         case 1: return tile<1, NP>(x, ldx, panels, panel_stride, K, acc);
@@ -62,49 +76,90 @@ void rows_chunk(const float* x, int64_t ldx, int rows, const float* panels, int6
 // which split evenly over 2 or 4 threads (docs/cpu.md has the paired timings).
 constexpr int kRows = 8;
 
-}  // namespace
+// One work item: np panels (gp) against all M rows, in chunks of kRows.
+template <typename W>
+void group(const float* x, int64_t ldx, const W* gp, int np, int p0, int64_t panel_stride,
+           const float* bias, float* y, int64_t ldy, int M, int N, int K) {
+    alignas(64) float acc[kRows * kGroup * kLanes];
+    for (int m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = M - m0 < kRows ? M - m0 : kRows;
+        const float* xr = x + m0 * ldx;
+        switch (np) {
+            case 1: rows_chunk<1>(xr, ldx, rows, gp, panel_stride, K, acc); break;
+            case 2: rows_chunk<2>(xr, ldx, rows, gp, panel_stride, K, acc); break;
+            default: rows_chunk<kGroup>(xr, ldx, rows, gp, panel_stride, K, acc); break;
+        }
+        // acc is [rows][np][16]: output columns 16 (p0 + p) + j
+        for (int r = 0; r < rows; ++r) {
+            float* yr = y + (m0 + r) * ldy;
+            for (int p = 0; p < np; ++p) {
+                const int n0 = (p0 + p) * kLanes;
+                const int cols = N - n0 < kLanes ? N - n0 : kLanes;
+                const float* a = acc + (r * np + p) * kLanes;
+                if (bias) {
+                    for (int j = 0; j < cols; ++j) yr[n0 + j] = a[j] + bias[n0 + j];
+                } else {
+                    std::memcpy(yr + n0, a, cols * sizeof(float));
+                }
+            }
+        }
+    }
+}
 
-extern "C" {
+// bf16 panels that several chunks of rows read are widened once into a per-thread fp32 copy
+// (it stays in L2 for the chunks after the first, as fp32 panels would): the widening is paid
+// once a group, not once a chunk, and memory is still read at half the bytes. One chunk reads
+// them directly.
+const float* widened(const uint16_t* gp, int64_t n) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    for (int64_t i = 0; i < n; i += kLanes) {
+        const v16 v = load(gp + i);
+        std::memcpy(buf.data() + i, &v, sizeof v);
+    }
+    return buf.data();
+}
 
-int specserve_cpu_gemm_version() { return 1; }
-
-// x [M, K] (row stride ldx), panels [ceil(N/16), K, 16], bias [N] or null, y [M, N] (row stride
-// ldy). Returns 0.
-int specserve_cpu_gemm(const float* x, int64_t ldx, const float* panels, const float* bias,
-                       float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+template <typename W>
+int gemm(const float* x, int64_t ldx, const W* panels, const float* bias, float* y, int64_t ldy,
+         int M, int N, int K, int num_threads) {
     const int num_panels = (N + kLanes - 1) / kLanes;
     const int num_groups = (num_panels + kGroup - 1) / kGroup;
     const int64_t panel_stride = static_cast<int64_t>(K) * kLanes;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
     for (int g = 0; g < num_groups; ++g) {
         const int p0 = g * kGroup, np = num_panels - p0 < kGroup ? num_panels - p0 : kGroup;
-        const float* gp = panels + p0 * panel_stride;
-        alignas(64) float acc[kRows * kGroup * kLanes];
-        for (int m0 = 0; m0 < M; m0 += kRows) {
-            const int rows = M - m0 < kRows ? M - m0 : kRows;
-            const float* xr = x + m0 * ldx;
-            switch (np) {
-                case 1: rows_chunk<1>(xr, ldx, rows, gp, panel_stride, K, acc); break;
-                case 2: rows_chunk<2>(xr, ldx, rows, gp, panel_stride, K, acc); break;
-                default: rows_chunk<kGroup>(xr, ldx, rows, gp, panel_stride, K, acc); break;
-            }
-            // acc is [rows][np][16]: output columns 16 (p0 + p) + j
-            for (int r = 0; r < rows; ++r) {
-                float* yr = y + (m0 + r) * ldy;
-                for (int p = 0; p < np; ++p) {
-                    const int n0 = (p0 + p) * kLanes;
-                    const int cols = N - n0 < kLanes ? N - n0 : kLanes;
-                    const float* a = acc + (r * np + p) * kLanes;
-                    if (bias) {
-                        for (int j = 0; j < cols; ++j) yr[n0 + j] = a[j] + bias[n0 + j];
-                    } else {
-                        std::memcpy(yr + n0, a, cols * sizeof(float));
-                    }
-                }
+        const W* gp = panels + p0 * panel_stride;
+        if constexpr (sizeof(W) == 2) {
+            if (M > kRows) {
+                const float* wide = widened(gp, np * panel_stride);
+                group(x, ldx, wide, np, p0, panel_stride, bias, y, ldy, M, N, K);
+                continue;
             }
         }
+        group(x, ldx, gp, np, p0, panel_stride, bias, y, ldy, M, N, K);
     }
     return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int specserve_cpu_gemm_version() { return 2; }
+
+// x [M, K] (row stride ldx), panels [ceil(N/16), K, 16], bias [N] or null, y [M, N] (row stride
+// ldy). Returns 0.
+int specserve_cpu_gemm(const float* x, int64_t ldx, const float* panels, const float* bias,
+                       float* y, int64_t ldy, int M, int N, int K, int num_threads) {
+    return gemm(x, ldx, panels, bias, y, ldy, M, N, K, num_threads);
+}
+
+// The same over bf16 panels (weights that are bf16 values): the fp32 panels' result exactly.
+int specserve_cpu_gemm_bf16(const float* x, int64_t ldx, const uint16_t* panels,
+                            const float* bias, float* y, int64_t ldy, int M, int N, int K,
+                            int num_threads) {
+    return gemm(x, ldx, panels, bias, y, ldy, M, N, K, num_threads);
 }
 
 }  // extern "C"

@@ -5,6 +5,10 @@ cost per call. The kernel streams each panel contiguously (no horizontal sums), 
 call (~3 us) where oneDNN's matmul costs ~11 us and MKL's F.linear streams at a third of the
 machine's bandwidth, and gives a row the same result whatever rows share its call.
 
+Weights whose values are all bf16 (checkpoints stored in bf16, an EAGLE-3 head's) are kept as
+bf16 panels and widened in registers: half the bytes a step reads, the fp32 panels' result bit
+for bit.
+
 Built on first use by ops/cpu_build.py; None from `kernel()` when it cannot be built (the caller
 keeps another path).
 """
@@ -19,7 +23,7 @@ import torch
 from specserve.ops import cpu_build
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 LANES = 16
 
 
@@ -32,6 +36,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int,
     ]  # fmt: skip
     lib.specserve_cpu_gemm.restype = c.c_int
+    lib.specserve_cpu_gemm_bf16.argtypes = lib.specserve_cpu_gemm.argtypes
+    lib.specserve_cpu_gemm_bf16.restype = c.c_int
 
 
 _kernel = cpu_build.LazyKernel(_SOURCE, _setup, "oneDNN")
@@ -41,23 +47,32 @@ def kernel() -> ctypes.CDLL | None:
     return _kernel.get()
 
 
-def to_panels(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] fp32
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Every value is a bf16 (a checkpoint stored in bf16, widened to fp32): its panels can be
+    stored in bf16, read at half the bytes, with the same products."""
+    w = weight.detach()
+    return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
+
+
+def to_panels(
+    weight: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16] of dtype (fp32, or bf16 for bf16 values)
     n, k = weight.shape
     p = -(-n // LANES)
-    padded = torch.zeros(p * LANES, k, dtype=torch.float32)
+    padded = torch.zeros(p * LANES, k, dtype=dtype)
     padded[:n] = weight.detach()
     return padded.view(p, LANES, k).transpose(1, 2).contiguous()
 
 
-def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:  # -> [N, K]
+def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:  # -> [N, K] fp32
     p, k, lanes = panels.shape
-    return panels.transpose(1, 2).reshape(p * lanes, k)[:n].contiguous()
+    return panels.transpose(1, 2).reshape(p * lanes, k)[:n].float().contiguous()
 
 
 def gemm(
     lib: ctypes.CDLL,
     x: torch.Tensor,  # [M, K] fp32, last dim contiguous
-    panels: torch.Tensor,  # [ceil(N / 16), K, 16]
+    panels: torch.Tensor,  # [ceil(N / 16), K, 16] fp32 or bf16
     bias: torch.Tensor | None,  # [N] fp32
     n: int,
 ) -> torch.Tensor:  # [M, N]
@@ -66,7 +81,12 @@ def gemm(
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        lib.specserve_cpu_gemm(
+        fn = (
+            lib.specserve_cpu_gemm_bf16
+            if panels.dtype == torch.bfloat16
+            else lib.specserve_cpu_gemm
+        )
+        fn(
             x.data_ptr(), x.stride(0), panels.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), n,
             m, n, k, torch.get_num_threads(),

@@ -14,8 +14,8 @@
 #include "cpu_attention_args.h"
 
 extern "C" {
-// cpu_gemm.cpp: specserve_cpu_gemm
-typedef int (*GemmFn)(const float* x, int64_t ldx, const float* panels, const float* bias,
+// cpu_gemm.cpp: specserve_cpu_gemm (fp32 panels), specserve_cpu_gemm_bf16 (bf16 panels)
+typedef int (*GemmFn)(const float* x, int64_t ldx, const void* panels, const float* bias,
                       float* y, int64_t ldy, int M, int N, int K, int threads);
 // cpu_fused.cpp: specserve_add_rms_norm, specserve_silu_and_mul, specserve_rope_write_kv
 typedef void (*AddNormFn)(const float* x, int64_t ldx, const float* res, int64_t ldr,
@@ -35,22 +35,23 @@ namespace {
 struct Layer {
     const float* input_norm;  // [hidden]
     const float* post_norm;   // [hidden]
-    const float* qkv;         // panels of [(H + 2 Hkv) D, hidden]
+    const void* qkv;          // panels of [(H + 2 Hkv) D, hidden]
     const float* qkv_bias;    // [(H + 2 Hkv) D] or null
-    const float* o;           // panels of [hidden, H D]
-    const float* gate_up;     // panels of [2 I, hidden]
-    const float* down;        // panels of [hidden, I]
+    const void* o;            // panels of [hidden, H D]
+    const void* gate_up;      // panels of [2 I, hidden]
+    const void* down;         // panels of [hidden, I]
     void* k_cache;            // [blocks, block_size, Hkv, D], fp32 or bf16
     void* v_cache;
     float input_eps;
     float post_eps;
     int32_t window;           // sliding window, 0 = none
-    int32_t pad;
+    int32_t bf16;             // bit i set: linear i (qkv, o, gate_up, down) has bf16 panels
 };
 
 // The whole call (cpu_layer.py's _Stack mirrors it).
 struct Stack {
     GemmFn gemm;
+    GemmFn gemm_bf16;
     AddNormFn add_rms_norm;
     SiluMulFn silu_and_mul;
     RopeKvFn rope_write_kv;
@@ -103,7 +104,7 @@ void capture(float* dst, int64_t ld, const float* x, const float* res, int T, in
 
 extern "C" {
 
-int specserve_cpu_layer_version() { return 1; }
+int specserve_cpu_layer_version() { return 2; }
 int64_t specserve_cpu_layer_sizeof_stack() { return sizeof(Stack); }
 int64_t specserve_cpu_layer_sizeof_layer() { return sizeof(Layer); }
 
@@ -123,12 +124,14 @@ int specserve_cpu_layer_stack(const Stack* s) {
     const float* res = nullptr;  // layer 0 has no residual yet
     for (int l = 0; l < s->num_layers; ++l) {
         const Layer& L = s->layers[l];
+        // linear i's GEMM: the panels' dtype picks the entry point, as cpu_gemm.py does
+        auto gemm = [&](int i) { return (L.bf16 >> i) & 1 ? s->gemm_bf16 : s->gemm; };
         if (s->captures && s->captures[l]) capture(s->captures[l], s->capture_ld, x, res, T, N);
         // new residual = x + res (at layer 0: x itself, out_res untouched), normed = norm(it)
         s->add_rms_norm(x, N, res, N, L.input_norm, s->normed, s->out_res, T, N, L.input_eps,
                         th);
         res = res ? s->out_res : x;
-        s->gemm(s->normed, N, L.qkv, L.qkv_bias, s->qkv_out, NQKV, T, NQKV, N, th);
+        gemm(0)(s->normed, N, L.qkv, L.qkv_bias, s->qkv_out, NQKV, T, NQKV, N, th);
         const int rc = s->rope_write_kv(s->qkv_out, NQKV, H, HKV, D, s->cos_sin, s->cs_ld,
                                         s->cs_part, L.k_cache, L.v_cache, s->kv_dtype,
                                         s->slots, T, th);
@@ -137,14 +140,14 @@ int specserve_cpu_layer_stack(const Stack* s) {
         a.v = L.v_cache;
         a.window = L.window;
         if (s->attention(&a, s->kv_dtype) != 0) return -2;
-        s->gemm(s->attn_out, H * D, L.o, nullptr, s->o_out, N, T, N, H * D, th);
+        gemm(1)(s->attn_out, H * D, L.o, nullptr, s->o_out, N, T, N, H * D, th);
         // residual += attention output (in place from layer 0's second norm on)
         s->add_rms_norm(s->o_out, N, res, N, L.post_norm, s->normed, s->out_res, T, N,
                         L.post_eps, th);
         res = s->out_res;
-        s->gemm(s->normed, N, L.gate_up, nullptr, s->gate_up_out, 2 * I, T, 2 * I, N, th);
+        gemm(2)(s->normed, N, L.gate_up, nullptr, s->gate_up_out, 2 * I, T, 2 * I, N, th);
         s->silu_and_mul(s->gate_up_out, 2 * I, s->act, T, I, th);
-        s->gemm(s->act, I, L.down, nullptr, s->out_x, N, T, N, I, th);
+        gemm(3)(s->act, I, L.down, nullptr, s->out_x, N, T, N, I, th);
         x = s->out_x;
     }
     return 0;

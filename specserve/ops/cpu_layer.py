@@ -22,7 +22,7 @@ from specserve.ops import cpu_attention, cpu_build, cpu_fused, cpu_gemm
 from specserve.ops.forward_context import ForwardContext, KVCache
 
 _SOURCE = Path(__file__).with_name("cpu_layer.cpp")
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -43,7 +43,7 @@ class _Layer(ctypes.Structure):
         ("input_eps", _f32),
         ("post_eps", _f32),
         ("window", _i32),
-        ("pad", _i32),
+        ("bf16", _i32),
     ]
 
 
@@ -52,6 +52,7 @@ class _Stack(ctypes.Structure):
 
     _fields_ = [
         ("gemm", _p),
+        ("gemm_bf16", _p),
         ("add_rms_norm", _p),
         ("silu_and_mul", _p),
         ("rope_write_kv", _p),
@@ -111,6 +112,7 @@ class Kernels:
 
     lib: ctypes.CDLL  # cpu_layer itself
     gemm: int
+    gemm_bf16: int
     add_rms_norm: int
     silu_and_mul: int
     rope_write_kv: int
@@ -135,6 +137,7 @@ def kernels() -> Kernels | None:
     _kernels = Kernels(
         lib=layer,
         gemm=_address(gemm, "specserve_cpu_gemm"),
+        gemm_bf16=_address(gemm, "specserve_cpu_gemm_bf16"),
         add_rms_norm=_address(fused, "specserve_add_rms_norm"),
         silu_and_mul=_address(fused, "specserve_silu_and_mul"),
         rope_write_kv=_address(fused, "specserve_rope_write_kv"),
@@ -149,7 +152,7 @@ class LayerParams:
 
     input_norm: torch.Tensor  # [hidden] fp32 contiguous
     post_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [ceil(((H + 2 Hkv) D) / 16), hidden, 16] panels
+    qkv: torch.Tensor  # [ceil(((H + 2 Hkv) D) / 16), hidden, 16] panels, fp32 or bf16
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
     o: torch.Tensor  # [ceil(hidden / 16), H D, 16]
     gate_up: torch.Tensor  # [ceil(2 I / 16), hidden, 16]
@@ -185,6 +188,8 @@ def layer_table(
         entry.input_eps = p.input_eps
         entry.post_eps = p.post_eps
         entry.window = p.window
+        linears = (p.qkv, p.o, p.gate_up, p.down)
+        entry.bf16 = sum(1 << i for i, w in enumerate(linears) if w.dtype == torch.bfloat16)
     return table
 
 
@@ -207,7 +212,8 @@ def run_stack(
     parts = [b.view(t, w) for b, w in zip(buf.split([t * w for w in widths]), widths)]
     out_x, out_res, normed, qkv, attn, o, gate_up, act = parts
     s = _Stack()
-    s.gemm, s.add_rms_norm, s.silu_and_mul = k.gemm, k.add_rms_norm, k.silu_and_mul
+    s.gemm, s.gemm_bf16 = k.gemm, k.gemm_bf16
+    s.add_rms_norm, s.silu_and_mul = k.add_rms_norm, k.silu_and_mul
     s.rope_write_kv, s.attention = k.rope_write_kv, k.attention
     s.layers = ctypes.addressof(table)
     s.num_layers = len(table)

@@ -71,6 +71,26 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
         assert torch.equal(layer(x[m : m + 1])[0], full[m])
 
 
+@pytest.mark.skipif(cpu_gemm.kernel() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64])
+def test_bf16_values_read_as_bf16_panels_give_the_fp32_panels_result(rows: int) -> None:
+    """An fp32 weight whose values are all bf16 (a bf16 checkpoint) is kept in bf16 panels: half
+    the bytes, the same FMA chain: bit for bit the fp32 panels' result. Any other weight keeps
+    fp32 panels."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(99, 40, generator=g).to(torch.bfloat16).float()  # 99: a partial panel
+    b = torch.randn(99, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    layer = PackedLinear(w, b)
+    assert layer.panels.dtype == torch.bfloat16
+    fp32 = cpu_gemm.gemm(layer.lib, x, cpu_gemm.to_panels(w), b, 99)
+    assert torch.equal(layer(x), fp32)
+    torch.testing.assert_close(fp32, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, w)
+    w[3, 7] += 1e-3  # one value off the bf16 grid
+    assert PackedLinear(w, b).panels.dtype == torch.float32
+
+
 @pytest.mark.skipif(not packing_available(torch.bfloat16), reason="no native bf16 in oneDNN")
 def test_packed_linear_in_bfloat16() -> None:
     g = torch.Generator().manual_seed(0)

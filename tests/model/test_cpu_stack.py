@@ -97,6 +97,25 @@ def test_the_stack_gives_the_per_op_logits_bit_for_bit(
     _assert_same(got, want)
 
 
+def test_layers_of_bf16_values_run_bf16_panels_in_the_stack(
+    tiny_hf_dirs: dict[str, Path], calls: list[int]
+) -> None:
+    """A model whose weights are bf16 values (a bf16 checkpoint run in fp32) packs bf16 panels;
+    the stack calls the bf16 GEMM for them, the per-op path's logits bit for bit."""
+    loaded = load_model(str(tiny_hf_dirs["llama"]), torch.float32, CPU, progress=False)
+    with torch.no_grad():
+        for name, p in loaded.model.named_parameters():
+            if name.endswith("proj.weight") and "layers.0." not in name:  # layer 0 stays fp32
+                p.copy_(p.to(torch.bfloat16))
+    pack_linears(loaded.model)
+    kinds = {layer.mlp.down_proj.panels.dtype for layer in loaded.model.layers}
+    assert kinds == {torch.float32, torch.bfloat16}
+    want = _run(loaded, torch.float32, "off")
+    got = _run(loaded, torch.float32, "auto")
+    assert calls
+    _assert_same(got, want)
+
+
 @pytest.fixture(scope="module")
 def sw_dirs(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: Any) -> dict[str, Path]:
     return sliding.save_dirs(tmp_path_factory.mktemp("tiny_sliding_stack"), default_tokenizer)
