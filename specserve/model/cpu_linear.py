@@ -18,8 +18,8 @@ Numerics: fp32 accumulation as before (max error against fp64 ~4e-6 on these sha
 
 Which engines: CPU, dtype float32 (bfloat16 where oneDNN has native bf16), no `quantization`
 (it swaps the same layers for int8/int4 ones) and no tensor parallelism (its sharded layers
-keep F.linear). The target and a separate draft model are packed; EAGLE-3 heads are not (they
-train in the engine). A tied lm_head gets a packed copy of the embedding (the lookup keeps the
+keep F.linear). The target, a separate draft model and an EAGLE-3 head drafting in the engine
+are packed (quant.drafter_linears; a head being trained keeps nn.Linear). A tied lm_head gets a packed copy of the embedding (the lookup keeps the
 dense rows): +vocab x hidden weights of memory, 113 MB for the default model.
 `SPECSERVE_CPU_LINEAR=auto|torch` (torch: F.linear everywhere).
 """
