@@ -16,8 +16,9 @@ from specserve.engine.sequence import Sequence
 from specserve.model.errors import ModelLoadError
 from specserve.model.loader import load_model
 from specserve.model.quant import drafter_linears
-from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
+from specserve.ops.sampling import SamplingTensors
 from specserve.runner.model_runner import ModelRunner
+from specserve.speculative.catch_up import draft_confidence, pick_drafts
 from specserve.speculative.drafter import DraftKVMarks, reserve_draft_blocks
 
 
@@ -99,10 +100,12 @@ class DraftModelDrafter:
                 [seqs[i].num_output_tokens + j for i in idx],
                 eng.device,
             )
-            q = target_probs(logits, t)  # same filtered family as the target's p
-            tok = sample(q, t, DRAFT_SALT)  # [len(idx)]
-            conf = q.gather(1, tok.unsqueeze(1)).squeeze(1)
-            pool.q[torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)] = q
+            # q (the target's filtered family) into the pool; greedy alone: the argmax, no q
+            q_rows = None
+            if not t.all_greedy:
+                q_rows = torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)
+            tok, q = pick_drafts(logits, t, pool, q_rows)  # [len(idx)]
+            conf = draft_confidence(q, tok)
             for i, t_id, c in zip(idx, tok.tolist(), conf.tolist()):
                 drafts[i].append(t_id)
                 confs[i].append(c)

@@ -34,8 +34,9 @@ from specserve.model.loader.eagle3 import default_head_path, load_eagle3_head
 from specserve.model.quant import drafter_linears
 from specserve.ops.attention import paged_attention, write_kv
 from specserve.ops.forward_context import ForwardContext
-from specserve.ops.sampling import DRAFT_SALT, SamplingTensors, sample, target_probs
+from specserve.ops.sampling import SamplingTensors
 from specserve.runner.model_runner import ModelRunner, StepInputs
+from specserve.speculative.catch_up import draft_confidence, pick_drafts
 from specserve.speculative.drafter import DraftKVMarks, reserve_draft_blocks
 
 
@@ -148,6 +149,7 @@ class Eagle3Drafter:
             rows[i] = seq.token_ids[starts[i] + 1 :]
         hidden: torch.Tensor | None = None
         pool = eng.slot_pool
+        to_target = self.head.draft_to_target()  # [Vd] target id of each draft token
         for j in range(max(limits[i] for i in active)):
             idx = [i for i in active if limits[i] > j]
             inputs = self.runner.prepare_rows(
@@ -166,15 +168,17 @@ class Eagle3Drafter:
                 [seqs[i].num_output_tokens + j for i in idx],
                 eng.device,
             )
-            q = target_probs(self.head.target_logits(logits), t)  # [n, V], 0 off the draft vocab
-            tok = sample(q, t, DRAFT_SALT)  # [n]
+            # q [n, V] (0 off the draft vocabulary) into the pool; greedy alone: the argmax, no q
+            q_rows = None
+            if not t.all_greedy:
+                q_rows = torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)
+            tok, q = pick_drafts(logits, t, pool, q_rows, self.head.target_logits, to_target)
             temp = self.temperatures[min(j, len(self.temperatures) - 1)]
             conf = (
                 torch.sigmoid(conf_logit / temp)
                 if conf_logit is not None
-                else q.gather(1, tok.unsqueeze(1)).squeeze(1)
+                else draft_confidence(q, tok)
             )
-            pool.q[torch.tensor([seqs[i].slot * pool.k + j for i in idx], device=eng.device)] = q
             # requests that stop drafting after this step drop out of the next one's rows
             keep = [r for r, i in enumerate(idx) if limits[i] > j + 1]
             hidden = prenorm[keep] if len(keep) < len(idx) else prenorm

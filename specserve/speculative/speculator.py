@@ -78,8 +78,8 @@ class Speculator:
     def draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:
         """[total_q, V] draft distributions of the verify layout's rows (rows that verify
         nothing get q = 0; they never read it), or None for one-hot drafters."""
-        if self.pool.q is None or not any(drafts):
-            return None
+        if self.pool.q is None or not any(drafts) or all(s.params.greedy for s in seqs):
+            return None  # greedy verification reads no q (verify.py), and greedy drafts write none
         eng = self.engine
         v = eng.model_config.vocab_size
         parts = []

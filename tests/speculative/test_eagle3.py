@@ -135,3 +135,21 @@ def test_eagle3_without_a_model_names_the_field(tiny_llama_dir):
         '{"method": "eagle3", "model": "/h", "num_speculative_tokens": 2}'
     )
     assert cfg.method == "eagle3" and cfg.model == "/h"
+
+
+def test_greedy_drafting_writes_no_q_and_verifies_without_it(target, prompts, ref, heads):
+    """Greedy requests alone: the head drafts the argmax of its vocabulary, mapped, and neither
+    writes q to the pool nor hands q to verification (greedy verification reads none); the
+    outputs stay the target's. A sampling request drafts with q, as before."""
+    llm = make_llm(model=target[0], speculative_config=_spec(heads["copy"]), max_num_seqs=8)
+    pool, spec = llm.engine.slot_pool, llm.engine.speculator
+    seen: list[bool] = []
+    draft_q = spec.draft_q
+    spec.draft_q = lambda seqs, drafts: seen.append(draft_q(seqs, drafts) is None) or None
+    assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == ref
+    assert seen and all(seen) and llm.get_metrics()["spec_drafts"] > 0
+    assert not pool.q.any()  # nothing written: the pool's q starts at zero
+    spec.draft_q = draft_q
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=8)
+    llm.generate(prompts[:1], sampled, use_tqdm=False)
+    assert pool.q.any()
