@@ -154,6 +154,8 @@ def test_a_model_drafter_that_overstates_its_confidence_is_planned_by_what_verif
     assert m["spec_accepted_tokens"] <= 0.2 * m["spec_draft_tokens"]  # the drafter is wrong
     late = np.concatenate(planned[len(planned) // 2 :])[:, 0]  # first-draft survival
     if calibrated:
-        assert late.max() < 0.3
+        # how far below depends on how many first drafts the budget still verifies once they
+        # stop paying, i.e. on the measured step-cost curve: (0 + 4) / (n + 4) after n of them
+        assert late.max() < 0.5
     else:
         assert late.min() == 1.0
