@@ -267,7 +267,7 @@ def _save_q4_1(path: Path, out: Path) -> None:
         if arch in _PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
             heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             raw = unpermute_rope_rows(raw, heads)
-        blocks[name] = torch.from_numpy(np.ascontiguousarray(raw))
+        blocks[name] = torch.from_numpy(np.array(raw))  # a writable copy: t.data is a read-only map
     save_file(blocks, str(out / "q4_1.safetensors"))
 
 
