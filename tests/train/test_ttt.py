@@ -43,7 +43,7 @@ def test_rows_that_count() -> None:
     assert shift(torch.tensor([[1, 2, 3]]), 1, -1).tolist() == [[2, 3, -1]]
 
 
-def _tiny_head(vocab: int = 64, draft: int = 64) -> Eagle3Head:
+def _tiny_head(vocab: int = 64, draft: int = 64, device: str = "cpu") -> Eagle3Head:
     cfg = Eagle3Config(
         hidden_size=32,
         intermediate_size=64,
@@ -55,7 +55,8 @@ def _tiny_head(vocab: int = 64, draft: int = 64) -> Eagle3Head:
         aux_layer_ids=(0, 1, 2),
     )
     torch.manual_seed(0)
-    emb = nn.Embedding(vocab, 32).requires_grad_(False)
+    # the target's embedding, shared (not a submodule: the head's .to() leaves it)
+    emb = nn.Embedding(vocab, 32).requires_grad_(False).to(device)
     return Eagle3Head(cfg, embed_tokens=emb)
 
 
@@ -159,7 +160,7 @@ def test_a_window_step_sees_the_context_a_full_step_sees() -> None:
 
 
 def assert_every_parameter_learns(device: str) -> None:
-    head = _tiny_head().to(device)
+    head = _tiny_head(device=device).to(device)
     res = ttt_loss(head, _synthetic_batch(device=device), ttt_steps=2)
     res.loss.backward()
     trained = {n: p for n, p in head.named_parameters() if p.requires_grad}
