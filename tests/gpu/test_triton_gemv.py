@@ -88,6 +88,7 @@ def test_glu_gemv_equals_the_gemv_then_silu_and_mul(
     _close(got, F.silu(full[:, : two_i // 2]) * full[:, two_i // 2 :])
 
 
+@torch.inference_mode()  # as the engine runs: under autograd the MLP keeps the torch ops
 def test_the_mlp_runs_one_glu_gemv_at_one_row(pdl_cuda, monkeypatch) -> None:
     from specserve.model.layers import GatedMLP
 
