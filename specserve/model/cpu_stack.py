@@ -8,11 +8,11 @@ raw pointers, so its outputs equal the per-op path's bit for bit, without that P
 Where: `LlamaForCausalLM.forward` asks `stack_for` every forward. It applies only where the
 per-op path would itself run exactly the compiled kernels the stack calls:
   * SPECSERVE_CPU_LAYER=auto (off: never);
-  * CPU, fp32 hidden states, every decoder linear a PackedLinear over panels (cpu_gemm) or integer
-    blocks (cpu_qgemm): so not
-    under `quantization` (int8 / int4 swap the layers, even after a first forward: the layers'
-    identity is checked each forward), not dtype bf16, not tensor parallel (sharded layers are
-    plain Linear), not SPECSERVE_CPU_LINEAR=torch, and a compiler;
+  * CPU, fp32 hidden states, every decoder linear a PackedLinear over panels (cpu_gemm) or
+    integer blocks (cpu_qgemm): so not under `quantization` (int8 / int4 swap the layers, even
+    after a first forward: the layers' identity is checked each forward), not dtype bf16, not
+    tensor parallel (sharded layers are plain Linear), not SPECSERVE_CPU_LINEAR=torch, and a
+    compiler;
   * the compiled elementwise ops (SPECSERVE_FUSED_OPS) and the attention kernel
     (SPECSERVE_CPU_ATTENTION != torch), both built;
   * no per-head q/k norm (Qwen3: torch's rms_norm runs between the kernels there);
