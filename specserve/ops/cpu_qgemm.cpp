@@ -16,7 +16,7 @@
 //   c = float(Ph) 65536 + float(lo);   acc += m s;   acc += d (c 2^(e - 23))
 // with s = float(sum X) 2^(e - 23), over the blocks in order. A row's result depends only on
 // its own inputs, whatever rows share the call and whichever path runs. Blocks whose largest
-// |x| is below 2^-100 count as zeros.
+// |x| is below 2^-100 count as zeros; a NaN or inf input makes its row's outputs NaN.
 //
 // Layout (cpu_qgemm.py packs it): for 16 outputs t and block b, one 512-byte tile
 //   Q[t][b][i][4 j + e] = q[16 t + j][32 b + 4 i + e]    (i < 8 groups of 4 inputs, j < 16)
@@ -104,11 +104,16 @@ void split_rows(const float* x, int64_t ldx, int r0, int r1, int K, uint8_t* byt
             const v16 x0 = loadv<v16>(xr + b * kBlock), x1 = loadv<v16>(xr + b * kBlock + kLanes);
             const v16 a0 = x0 < 0 ? -x0 : x0, a1 = x1 < 0 ? -x1 : x1;
             const v16 a = a0 > a1 ? a0 : a1;
-            float amax = 0.0f;
-            for (int j = 0; j < kLanes; ++j) amax = amax > a[j] ? amax : a[j];
+            const v16 z = x0 * 0.0f + x1 * 0.0f;  // 0, or NaN where an input is NaN or inf
+            float amax = 0.0f, zs = 0.0f;
+            for (int j = 0; j < kLanes; ++j) {
+                amax = amax > a[j] ? amax : a[j];
+                zs += z[j];
+            }
             int e = 0;
-            if (amax >= kTiny) std::frexp(amax, &e);  // amax < 2^e
-            const float scale = amax >= kTiny ? std::ldexp(1.0f, kBits - e) : 0.0f;
+            const bool finite = zs == 0.0f;
+            if (finite && amax >= kTiny) std::frexp(amax, &e);  // amax < 2^e
+            const float scale = finite && amax >= kTiny ? std::ldexp(1.0f, kBits - e) : 0.0f;
             i16 sum = {};
             for (int half = 0; half < 2; ++half) {
                 // x scale is exact (a power of two) and below 2^23 in size, so adding 1/2 is
@@ -128,7 +133,8 @@ void split_rows(const float* x, int64_t ldx, int r0, int r1, int K, uint8_t* byt
             }
             int32_t total = 0;
             for (int j = 0; j < kLanes; ++j) total += sum[j];
-            const float step = std::ldexp(1.0f, e - kBits);
+            // a NaN or inf input makes the row's outputs NaN, as fp32 products would
+            const float step = finite ? std::ldexp(1.0f, e - kBits) : NAN;
             sums[r * nb + b] = static_cast<float>(total) * step;
             steps[r * nb + b] = step;
         }

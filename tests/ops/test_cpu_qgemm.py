@@ -93,6 +93,9 @@ def test_bias_zero_and_tiny_blocks_and_row_strides() -> None:
     want = x.double() @ w.T + bias.double()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[0].float(), bias)
+    x[3, 40], x[4, 5] = float("nan"), float("inf")  # as fp32 products: NaN rows
+    got = _run(x, cpu_qgemm.pack(blocks), n, bias=bias)
+    assert got[3:5].isnan().all() and not got[[0, 1, 2, 5]].isnan().any()
 
 
 @pytest.mark.parametrize("amx_rows", [0, 1, 12])
