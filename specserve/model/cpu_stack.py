@@ -8,10 +8,11 @@ raw pointers, so its outputs equal the per-op path's bit for bit, without that P
 Where: `LlamaForCausalLM.forward` asks `stack_for` every forward. It applies only where the
 per-op path would itself run exactly the compiled kernels the stack calls:
   * SPECSERVE_CPU_LAYER=auto (off: never);
-  * CPU, fp32 hidden states, every decoder linear a PackedLinear over panels (cpu_gemm): so not
-    under `quantization` (int8 / int4 swap the layers, even after a first forward: the layers'
-    identity is checked each forward), not dtype bf16, not tensor parallel (sharded layers are
-    plain Linear), not SPECSERVE_CPU_LINEAR=torch, and a compiler;
+  * CPU, fp32 hidden states, every decoder linear a PackedLinear over panels (cpu_gemm) or
+    integer blocks (cpu_qgemm): so not under `quantization` (int8 / int4 swap the layers, even
+    after a first forward: the layers' identity is checked each forward), not dtype bf16, not
+    tensor parallel (sharded layers are plain Linear), not SPECSERVE_CPU_LINEAR=torch, and a
+    compiler;
   * the compiled elementwise ops (SPECSERVE_FUSED_OPS) and the attention kernel
     (SPECSERVE_CPU_ATTENTION != torch), both built;
   * no per-head q/k norm (Qwen3: torch's rms_norm runs between the kernels there);
@@ -71,10 +72,11 @@ class _Plan:
 
 
 def _panels(m: nn.Module, bias_ok: bool) -> bool:
+    # fp32 or bf16 panels (cpu_gemm), or integer blocks (cpu_qgemm)
     return (
         type(m) is PackedLinear
         and m.lib is not None
-        and m.panels.dtype in (torch.float32, torch.bfloat16)
+        and (m.panels.dtype in (torch.float32, torch.bfloat16) or m.qlib is not None)
         and (bias_ok or m.bias is None)
     )
 

@@ -87,7 +87,7 @@ def quantize_engine(engine: Any) -> None:
     method = engine.config.quantization
     if method is None:
         return
-    gguf = _gguf_source(engine.config.model, engine.config.revision) if method == "int4" else None
+    gguf = gguf_source(engine.config.model, engine.config.revision) if method == "int4" else None
     quantize_model(engine.target_model, method, gguf)
     if getattr(engine, "budget", None) is not None:
         from specserve.speculative.verify_budget import VerifyBudget
@@ -104,7 +104,7 @@ def drafter_linears(model: nn.Module, method: str | None) -> nn.Module:
     return quantize_model(model, "int8" if method == "int4" else method)
 
 
-def _gguf_source(model: str | None, revision: str | None) -> Path | None:
+def gguf_source(model: str | None, revision: str | None) -> Path | None:
     """The GGUF file the engine's model was loaded from (None: the default model's), or None."""
     from specserve.model.loader import default_model_path, resolve_model_path
     from specserve.model.loader.dummy import DUMMY_PREFIX

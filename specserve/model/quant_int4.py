@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import env
+from specserve.model.gguf_blocks import check_against, gguf_blocks, shard_rows
 from specserve.ops.int4 import (
     N_ALIGN,
     ZERO_POINT,
@@ -90,36 +91,10 @@ def q4_1_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Groups:
 def gguf_groups(model: nn.Module, path: Path) -> dict[str, list[Groups | None]]:
     """The GGUF's Q4_1 tensors by our module name ("layers.0.self_attn.qkv_proj", "lm_head"),
     one entry per shard of a fused projection (None: that shard is not Q4_1)."""
-    from specserve.model.loader.gguf_file import q4_1_tensors
-
-    tied = getattr(model, "lm_head", "absent") is None
-    out: dict[str, list[Groups | None]] = {}
-    for hf_name, (q, d, m) in q4_1_tensors(path).items():
-        name = hf_name.removeprefix("model.").removesuffix(".weight")
-        if name == "embed_tokens":
-            if not tied:
-                continue  # the lookup stays full precision; only a tied head reads it
-            name = "lm_head"
-        shard, shards = 0, 1
-        for proj, (fused, idx) in getattr(model, "STACKED", {}).items():
-            if name.endswith(f".{proj}"):
-                name, shard = name.removesuffix(proj) + fused, idx
-                shards = 3 if fused == "qkv_proj" else 2
-                break
-        groups = q4_1_groups(q, d, m)
-        out.setdefault(name, [None] * shards)[shard] = groups
-    return out
-
-
-def _shard_rows(model: nn.Module, name: str, weight: torch.Tensor, shards: int) -> list[slice]:
-    if shards == 1:
-        return [slice(0, weight.shape[0])]
-    rows, start = [], 0
-    for i in range(shards):  # the model's own layout of a fused weight
-        n = model._shard_view(weight, f"{name}.weight", i).shape[0]
-        rows.append(slice(start, start + n))
-        start += n
-    return rows
+    return {
+        name: [None if b is None else q4_1_groups(*b) for b in shards]
+        for name, shards in gguf_blocks(model, path, ("q4_1",)).items()
+    }
 
 
 def int4_layer(
@@ -130,18 +105,14 @@ def int4_layer(
     if not source or all(g is None for g in source):
         return Int4Linear.from_float(weight, bias)
     parts: list[Groups] = []
-    for rows, groups in zip(_shard_rows(model, name, weight, len(source)), source, strict=True):
+    for rows, groups in zip(shard_rows(model, name, weight, len(source)), source, strict=True):
         w = weight[rows]
         if groups is None:
             groups = quantize_groups(w)
         else:
-            # The GGUF and the loaded weights must agree (they differ by the load dtype's
-            # rounding only): a wrong name mapping or row permutation fails here, loudly.
-            # Every 8th group of rows suffices for that, and spares a second of start-up.
+            # every 8th group of rows suffices, and spares a second of start-up
             q, scale, zero = groups
-            err = (dequantize(q[::8], scale[:, ::8], zero[:, ::8]) - w[::8].float()).abs().max()
-            if not err <= 0.01 * w.abs().max():
-                raise RuntimeError(f"{name}: GGUF Q4_1 blocks do not match the loaded weights")
+            check_against(name, w[::8], dequantize(q[::8], scale[:, ::8], zero[:, ::8]))
         parts.append(groups)
     q, scale, zero = (torch.cat(t, dim=d) for t, d in zip(zip(*parts), (0, 1, 1)))
     return Int4Linear((q, scale, zero), bias, weight.shape[1])

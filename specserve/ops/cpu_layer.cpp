@@ -14,7 +14,8 @@
 #include "cpu_attention_args.h"
 
 extern "C" {
-// cpu_gemm.cpp: specserve_cpu_gemm (fp32 panels), specserve_cpu_gemm_bf16 (bf16 panels)
+// cpu_gemm.cpp: specserve_cpu_gemm (fp32 panels), specserve_cpu_gemm_bf16 (bf16 panels);
+// cpu_qgemm.cpp: specserve_cpu_qgemm (integer blocks)
 typedef int (*GemmFn)(const float* x, int64_t ldx, const void* panels, const float* bias,
                       float* y, int64_t ldy, int M, int N, int K, int threads);
 // cpu_fused.cpp: specserve_add_rms_norm, specserve_silu_and_mul, specserve_rope_write_kv
@@ -45,13 +46,15 @@ struct Layer {
     float input_eps;
     float post_eps;
     int32_t window;           // sliding window, 0 = none
-    int32_t bf16;             // bit i set: linear i (qkv, o, gate_up, down) has bf16 panels
+    int32_t kinds;            // bits 2i..2i+1: linear i's (qkv, o, gate_up, down) weights,
+                              // 0 fp32 panels, 1 bf16 panels, 2 integer blocks
 };
 
 // The whole call (cpu_layer.py's _Stack mirrors it).
 struct Stack {
     GemmFn gemm;
     GemmFn gemm_bf16;
+    GemmFn gemm_q;            // null where cpu_qgemm is not loaded (no layer has kind 2)
     AddNormFn add_rms_norm;
     SiluMulFn silu_and_mul;
     RopeKvFn rope_write_kv;
@@ -104,7 +107,7 @@ void capture(float* dst, int64_t ld, const float* x, const float* res, int T, in
 
 extern "C" {
 
-int specserve_cpu_layer_version() { return 2; }
+int specserve_cpu_layer_version() { return 3; }
 int64_t specserve_cpu_layer_sizeof_stack() { return sizeof(Stack); }
 int64_t specserve_cpu_layer_sizeof_layer() { return sizeof(Layer); }
 
@@ -124,8 +127,11 @@ int specserve_cpu_layer_stack(const Stack* s) {
     const float* res = nullptr;  // layer 0 has no residual yet
     for (int l = 0; l < s->num_layers; ++l) {
         const Layer& L = s->layers[l];
-        // linear i's GEMM: the panels' dtype picks the entry point, as cpu_gemm.py does
-        auto gemm = [&](int i) { return (L.bf16 >> i) & 1 ? s->gemm_bf16 : s->gemm; };
+        // linear i's GEMM: its weights' kind picks the entry point, as PackedLinear does
+        auto gemm = [&](int i) {
+            const int kind = (L.kinds >> (2 * i)) & 3;
+            return kind == 2 ? s->gemm_q : kind == 1 ? s->gemm_bf16 : s->gemm;
+        };
         if (s->captures && s->captures[l]) capture(s->captures[l], s->capture_ld, x, res, T, N);
         // new residual = x + res (at layer 0: x itself, out_res untouched), normed = norm(it)
         s->add_rms_norm(x, N, res, N, L.input_norm, s->normed, s->out_res, T, N, L.input_eps,

@@ -18,13 +18,17 @@ from pathlib import Path
 import torch
 
 from specserve import env
-from specserve.ops import cpu_attention, cpu_build, cpu_fused, cpu_gemm
+from specserve.ops import cpu_attention, cpu_build, cpu_fused, cpu_gemm, cpu_qgemm
 from specserve.ops.forward_context import ForwardContext, KVCache
 
 _SOURCE = Path(__file__).with_name("cpu_layer.cpp")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _p = ctypes.c_void_p
 _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+# a linear's weights -> its kind in Layer.kinds: fp32 panels, bf16 panels, integer blocks
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 
 class _Layer(ctypes.Structure):
@@ -43,7 +47,7 @@ class _Layer(ctypes.Structure):
         ("input_eps", _f32),
         ("post_eps", _f32),
         ("window", _i32),
-        ("bf16", _i32),
+        ("kinds", _i32),
     ]
 
 
@@ -53,6 +57,7 @@ class _Stack(ctypes.Structure):
     _fields_ = [
         ("gemm", _p),
         ("gemm_bf16", _p),
+        ("gemm_q", _p),
         ("add_rms_norm", _p),
         ("silu_and_mul", _p),
         ("rope_write_kv", _p),
@@ -113,6 +118,7 @@ class Kernels:
     lib: ctypes.CDLL  # cpu_layer itself
     gemm: int
     gemm_bf16: int
+    gemm_q: int  # 0: cpu_qgemm not loaded
     add_rms_norm: int
     silu_and_mul: int
     rope_write_kv: int
@@ -131,13 +137,14 @@ def kernels() -> Kernels | None:
     if _kernels is not None:
         return _kernels
     layer, gemm, fused = _kernel.get(), cpu_gemm.kernel(), cpu_fused.kernel()
-    attn = cpu_attention.kernel()
+    attn, qgemm = cpu_attention.kernel(), cpu_qgemm.kernel()
     if layer is None or gemm is None or fused is None or attn is None:
         return None
     _kernels = Kernels(
         lib=layer,
         gemm=_address(gemm, "specserve_cpu_gemm"),
         gemm_bf16=_address(gemm, "specserve_cpu_gemm_bf16"),
+        gemm_q=0 if qgemm is None else _address(qgemm, "specserve_cpu_qgemm"),
         add_rms_norm=_address(fused, "specserve_add_rms_norm"),
         silu_and_mul=_address(fused, "specserve_silu_and_mul"),
         rope_write_kv=_address(fused, "specserve_rope_write_kv"),
@@ -152,7 +159,7 @@ class LayerParams:
 
     input_norm: torch.Tensor  # [hidden] fp32 contiguous
     post_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [ceil(((H + 2 Hkv) D) / 16), hidden, 16] panels, fp32 or bf16
+    qkv: torch.Tensor  # [ceil(((H + 2 Hkv) D) / 16), hidden, 16] panels (fp32, bf16) or blocks
     qkv_bias: torch.Tensor | None  # [(H + 2 Hkv) D]
     o: torch.Tensor  # [ceil(hidden / 16), H D, 16]
     gate_up: torch.Tensor  # [ceil(2 I / 16), hidden, 16]
@@ -189,7 +196,7 @@ def layer_table(
         entry.post_eps = p.post_eps
         entry.window = p.window
         linears = (p.qkv, p.o, p.gate_up, p.down)
-        entry.bf16 = sum(1 << i for i, w in enumerate(linears) if w.dtype == torch.bfloat16)
+        entry.kinds = sum(_KINDS[w.dtype] << (2 * i) for i, w in enumerate(linears))
     return table
 
 
@@ -212,7 +219,7 @@ def run_stack(
     parts = [b.view(t, w) for b, w in zip(buf.split([t * w for w in widths]), widths)]
     out_x, out_res, normed, qkv, attn, o, gate_up, act = parts
     s = _Stack()
-    s.gemm, s.gemm_bf16 = k.gemm, k.gemm_bf16
+    s.gemm, s.gemm_bf16, s.gemm_q = k.gemm, k.gemm_bf16, k.gemm_q or None
     s.add_rms_norm, s.silu_and_mul = k.add_rms_norm, k.silu_and_mul
     s.rope_write_kv, s.attention = k.rope_write_kv, k.attention
     s.layers = ctypes.addressof(table)

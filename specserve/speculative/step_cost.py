@@ -166,6 +166,9 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep3"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
     key += f"|fused={env.settings.fused_ops}|layer={env.settings.cpu_layer}"
+    # how the head's (and so every packed layer's) weights are read: panels, integer blocks
+    head = getattr(eng.target_model, "lm_head", None)
+    key += f"|head={head.extra_repr() if head is not None else ''}|amx={env.settings.cpu_amx}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

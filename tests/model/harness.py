@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -168,3 +169,30 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def round_to_blocks(model: torch.nn.Module) -> dict[str, list]:
+    """Round every linear weight of `model` (and a tied head's embedding) in place to Q8_0-style
+    blocks (value = d q, q int8, d fp16), as a GGUF holds them; returns the blocks by module
+    name, in gguf_blocks' form."""
+    source = {}
+    with torch.no_grad():
+        named = [(n, m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        if getattr(model, "lm_head", "absent") is None:
+            named.append(("lm_head", model.embed_tokens.weight))
+        for name, w in named:
+            blocks = w.view(w.shape[0], -1, 32)
+            d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(2**-14)  # [N, K/32]
+            q = torch.round(blocks / d[..., None]).clamp(-127, 127)
+            w.copy_((q * d[..., None]).view_as(w))
+            source[name] = [(q.view_as(w).to(torch.int8), d, torch.zeros_like(d))]
+    return source
+
+
+def pack_as_blocks(model: torch.nn.Module, monkeypatch) -> torch.nn.Module:
+    """round_to_blocks, then pack_linears with those blocks as the model's GGUF's."""
+    from specserve.model import cpu_linear
+
+    source = round_to_blocks(model)
+    monkeypatch.setattr(cpu_linear, "gguf_blocks", lambda model, path, kinds: source)
+    return cpu_linear.pack_linears(model, Path("blocks.gguf"))

@@ -16,8 +16,8 @@ from specserve import LLM, SamplingParams, env
 from specserve.model.cpu_linear import PackedLinear, pack_linears, packing_available
 from specserve.model.loader import load_model
 from specserve.model.quant import Int8Linear
-from specserve.ops import cpu_gemm
-from tests.model.harness import PagedRunner
+from specserve.ops import cpu_gemm, cpu_qgemm
+from tests.model.harness import PagedRunner, pack_as_blocks, round_to_blocks
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -150,3 +150,90 @@ def test_engines_pack_their_target_and_draft_model_and_quantization_keeps_its_la
     mods = list(q.engine.target_model.modules())
     assert any(isinstance(m, Int8Linear) for m in mods)
     assert not any(isinstance(m, PackedLinear) for m in mods)
+
+
+blocks_kernel = pytest.mark.skipif(
+    cpu_qgemm.kernel() is None, reason="no compiler, or no AVX512-VNNI (blocks stay panels)"
+)
+
+
+@blocks_kernel
+@pytest.mark.parametrize("rows", [0, 1, 5, 64])
+def test_integer_blocks_compute_their_weights(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (48, 96), generator=g)
+    d, m = torch.rand(48, 3, generator=g) * 0.05, -torch.rand(48, 3, generator=g) * 0.3
+    w = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
+    b = torch.randn(48, generator=g)
+    layer = PackedLinear(w, b, (q, d, m))
+    assert layer.qlib is not None and layer.panels.dtype == torch.uint8
+    assert layer.panels.numel() == w.numel() * 11 // 8  # a byte a weight, 3 words a block row
+    x = torch.randn(rows, 96, generator=g)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, w)
+    assert "integer blocks" in repr(layer)
+
+
+@blocks_kernel
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2"])
+def test_a_model_packed_as_blocks_computes_the_dense_one(
+    tiny_hf_dirs: dict[str, Path], family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_model(str(tiny_hf_dirs[family]), torch.float32, CPU, progress=False)
+    dense = copy.deepcopy(loaded.model)
+    round_to_blocks(dense)  # the same values, kept in nn.Linear
+    packed = pack_as_blocks(loaded.model, monkeypatch)
+    linears = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.qlib is not None for m in linears)
+    assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.qlib is not None
+    g = torch.Generator().manual_seed(1)
+    batch = [
+        (i, torch.randint(3, loaded.config.vocab_size, (n,), generator=g).tolist())
+        for i, n in enumerate((30, 9, 17))
+    ]
+    got = PagedRunner(packed, loaded.config).logits(batch)
+    want = PagedRunner(dense, loaded.config).logits(batch)
+    assert _rel(got, want) < 1e-4  # fp32-grade; a wrong tile layout or shard order gives ~1
+
+
+@blocks_kernel
+def test_only_whole_blocks_of_every_shard_become_blocks(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(str(tiny_llama_dir), torch.float32, CPU, progress=False).model
+    source = {}
+    monkeypatch.setattr("specserve.model.cpu_linear.gguf_blocks", lambda *a: source)
+    pack_linears(model, Path("none.gguf"))  # a file without blocks: panels everywhere
+    assert all(m.qlib is None for m in model.modules() if isinstance(m, PackedLinear))
+    # one shard of a fused projection without blocks: that layer keeps its panels
+    model = load_model(str(tiny_llama_dir), torch.float32, CPU, progress=False).model
+    w = model.layers[0].self_attn.qkv_proj.weight
+    q, d = torch.zeros(w.shape[0] // 2, w.shape[1], dtype=torch.int8), torch.ones(1)
+    source["layers.0.self_attn.qkv_proj"] = [(q, d, d), None]
+    pack_linears(model, Path("part.gguf"))
+    assert model.layers[0].self_attn.qkv_proj.qlib is None
+    with env.override(cpu_linear="panels"):
+        assert not cpu_linear_source(model)
+
+
+def cpu_linear_source(model) -> dict:
+    from specserve.model.cpu_linear import _block_source
+
+    return _block_source(model, Path("any.gguf"))
+
+
+@blocks_kernel
+def test_the_default_models_q4_1_and_q8_0_tensors_become_blocks(default_gguf_path: Path) -> None:
+    """All 210 decoder linears (Q4_1) and the tied head (the Q8_0 embedding) of the real model
+    land on their modules (q/k rows unpermuted, shards in order) as integer blocks."""
+    loaded = load_model(str(default_gguf_path), torch.float32, CPU, progress=False)
+    model = loaded.model
+    dense = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    embed = model.embed_tokens.weight.clone()
+    pack_linears(model, default_gguf_path)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert len(linears) == 4 * loaded.config.num_hidden_layers + 1
+    assert all(m.qlib is not None for m in linears.values())
+    for name, w in dense.items():  # the blocks' d q + m: the loader's fp32 weights
+        assert (linears[name].weight - w).abs().max() <= 1e-6 * w.abs().max(), name
+    assert torch.equal(model.lm_head.weight, embed)  # Q8_0: d q exactly

@@ -16,9 +16,9 @@ from specserve.model.aux_capture import AuxCapture
 from specserve.model.cpu_linear import pack_linears
 from specserve.model.loader import load_model
 from specserve.model.quant import Int8Linear
-from specserve.ops import cpu_layer
+from specserve.ops import cpu_layer, cpu_qgemm
 from tests.model import sliding
-from tests.model.harness import PagedRunner
+from tests.model.harness import PagedRunner, pack_as_blocks
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(cpu_layer.kernels() is None, reason="no C++ compiler")
@@ -112,6 +112,27 @@ def test_layers_of_bf16_values_run_bf16_panels_in_the_stack(
     assert kinds == {torch.float32, torch.bfloat16}
     want = _run(loaded, torch.float32, "off")
     got = _run(loaded, torch.float32, "auto")
+    assert calls
+    _assert_same(got, want)
+
+
+@pytest.mark.skipif(cpu_qgemm.kernel() is None, reason="no AVX512-VNNI: blocks stay panels")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layers_of_integer_blocks_run_the_block_gemm_in_the_stack(
+    tiny_hf_dirs: dict[str, Path], threads: int, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF-style model (integer blocks, a tied head) in the stack: the per-op logits bit for
+    bit, the block GEMM's rows as independent there as in the per-op path."""
+    loaded = load_model(str(tiny_hf_dirs["llama_tied"]), torch.float32, CPU, progress=False)
+    pack_as_blocks(loaded.model, monkeypatch)
+    assert loaded.model.layers[0].mlp.down_proj.panels.dtype == torch.uint8
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = _run(loaded, torch.float32, "off")
+        got = _run(loaded, torch.float32, "auto")
+    finally:
+        torch.set_num_threads(before)
     assert calls
     _assert_same(got, want)
 

@@ -238,37 +238,64 @@ def split_q4_1(
     return q, d, m
 
 
-def q4_1_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The GGUF's Q4_1 weights by HF name, as split_q4_1 returns them, rows in HF order (q/k
-    unpermuted as _convert does): quantization="int4" re-encodes them without a round trip
-    through fp32 (model/quant_int4.py). Their raw blocks are cached beside the dequantized
-    weights (the GGUF reader spends seconds parsing the tokenizer metadata)."""
+Q8_0_BYTES = 34  # one Q8_0 block: fp16 d, 32 int8 q
+
+
+def split_q8_0(
+    raw: torch.Tensor,  # [N, K/32 * 34] uint8: a Q8_0 tensor's bytes, one row per output channel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [N, K] int8, d, m [N, K/32] fp32
+    """A Q8_0 tensor's blocks in split_q4_1's form, value = d * q + m with m = 0."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, Q8_0_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+    return q, d, torch.zeros_like(d)
+
+
+_SPLITS = {"q4_1": split_q4_1, "q8_0": split_q8_0}
+
+
+def block_tensors(
+    path: Path, kinds: tuple[str, ...] = ("q4_1", "q8_0")
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The GGUF's weights stored as Q4_1 or Q8_0 blocks (those of `kinds`), by HF name, as
+    split_q4_1 / split_q8_0 return them (value = d * q + m), rows in HF order (q/k unpermuted as
+    _convert does): fp32 CPU engines keep them as integer blocks (model/cpu_linear.py),
+    quantization="int4" re-encodes the Q4_1 ones (model/quant_int4.py), neither through a round
+    trip through fp32. Their raw bytes are cached beside the dequantized weights (the GGUF
+    reader spends seconds parsing the tokenizer metadata)."""
     from safetensors.torch import load_file
 
-    folder = cache_dir() / "gguf" / f"{_file_key(path)}-q4_1"
-    _cached(folder, lambda d: _save_q4_1(path, d))
-    raw = load_file(str(folder / "q4_1.safetensors"))
-    return {name: split_q4_1(blocks) for name, blocks in raw.items()}
+    folder = cache_dir() / "gguf" / f"{_file_key(path)}-blocks"
+    _cached(folder, lambda d: _save_blocks(path, d))
+    out = {}
+    for kind in kinds:
+        raw = load_file(str(folder / f"{kind}.safetensors"))
+        out.update({name: _SPLITS[kind](blocks) for name, blocks in raw.items()})
+    return out
 
 
-def _save_q4_1(path: Path, out: Path) -> None:
+def _save_blocks(path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
 
     reader = open_reader(path)
     config = gguf_hf_config(reader, path)
     arch = _field(reader, "general.architecture")
-    blocks = {}
+    types = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    blocks: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in types}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        if name is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+        kind = next((k for k, v in types.items() if t.tensor_type == v), None)
+        if name is None or kind is None:
             continue
-        raw = np.asarray(t.data)  # [N, K/32 * 20] uint8; whole rows, so rows permute as bytes
+        raw = np.asarray(t.data)  # [N, K/32 * bytes] uint8; whole rows permute as bytes
         if arch in _PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
             heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             raw = unpermute_rope_rows(raw, heads)
-        blocks[name] = torch.from_numpy(np.array(raw))  # a writable copy: t.data is a read-only map
-    save_file(blocks, str(out / "q4_1.safetensors"))
+        blocks[kind][name] = torch.from_numpy(np.array(raw))  # writable: t.data is a read-only map
+    for kind, tensors in blocks.items():
+        save_file(tensors, str(out / f"{kind}.safetensors"))
 
 
 def _convert(
