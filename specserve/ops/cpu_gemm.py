@@ -27,17 +27,23 @@ _ABI_VERSION = 2
 LANES = 16
 
 
+# every GEMM entry point's C signature (cpu_gemm.cpp, cpu_qgemm.cpp): x, ldx, weights, bias,
+# y, ldy, M, N, K, threads
+GEMM_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+]  # fmt: skip
+
+
+def declare(fn: ctypes._CFuncPtr) -> None:
+    fn.argtypes, fn.restype = GEMM_ARGTYPES, ctypes.c_int
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     if lib.specserve_cpu_gemm_version() != _ABI_VERSION:
         raise RuntimeError("cpu_gemm library has a different ABI version")
-    c = ctypes
-    lib.specserve_cpu_gemm.argtypes = [
-        c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
-        c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int,
-    ]  # fmt: skip
-    lib.specserve_cpu_gemm.restype = c.c_int
-    lib.specserve_cpu_gemm_bf16.argtypes = lib.specserve_cpu_gemm.argtypes
-    lib.specserve_cpu_gemm_bf16.restype = c.c_int
+    declare(lib.specserve_cpu_gemm)
+    declare(lib.specserve_cpu_gemm_bf16)
 
 
 _kernel = cpu_build.LazyKernel(_SOURCE, _setup, "oneDNN")
@@ -76,18 +82,24 @@ def gemm(
     bias: torch.Tensor | None,  # [N] fp32
     n: int,
 ) -> torch.Tensor:  # [M, N]
+    bf16 = panels.dtype == torch.bfloat16
+    return call(lib.specserve_cpu_gemm_bf16 if bf16 else lib.specserve_cpu_gemm, x, panels, bias, n)
+
+
+def call(
+    fn: ctypes._CFuncPtr,  # a GEMM entry point (GEMM_ARGTYPES)
+    x: torch.Tensor,  # [M, K] fp32
+    weights: torch.Tensor,  # in fn's layout
+    bias: torch.Tensor | None,  # [N] fp32
+    n: int,
+) -> torch.Tensor:  # [M, N] fp32
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        fn = (
-            lib.specserve_cpu_gemm_bf16
-            if panels.dtype == torch.bfloat16
-            else lib.specserve_cpu_gemm
-        )
         fn(
-            x.data_ptr(), x.stride(0), panels.data_ptr(),
+            x.data_ptr(), x.stride(0), weights.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), n,
             m, n, k, torch.get_num_threads(),
         )  # fmt: skip

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specserve import env
-from specserve.ops import cpu_build
+from specserve.ops import cpu_build, cpu_gemm
 
 _SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
 _ABI_VERSION = 1
@@ -39,13 +39,8 @@ Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] int, d, m [
 def _setup(lib: ctypes.CDLL) -> None:
     if lib.specserve_cpu_qgemm_version() != _ABI_VERSION:
         raise RuntimeError("cpu_qgemm library has a different ABI version")
-    c = ctypes
-    lib.specserve_cpu_qgemm.argtypes = [
-        c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p,
-        c.c_int64, c.c_int, c.c_int, c.c_int, c.c_int,
-    ]  # fmt: skip
-    lib.specserve_cpu_qgemm.restype = c.c_int
-    lib.specserve_cpu_qgemm_use_amx.argtypes = [c.c_int]
+    cpu_gemm.declare(lib.specserve_cpu_qgemm)
+    lib.specserve_cpu_qgemm_use_amx.argtypes = [ctypes.c_int]
     lib.specserve_cpu_qgemm_use_amx(AMX_MIN_ROWS if env.settings.cpu_amx == "auto" else 0)
 
 
@@ -103,14 +98,4 @@ def gemm(
     bias: torch.Tensor | None,  # [N] fp32
     n: int,
 ) -> torch.Tensor:  # [M, N]
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        lib.specserve_cpu_qgemm(
-            x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), n,
-            m, n, k, torch.get_num_threads(),
-        )  # fmt: skip
-    return y
+    return cpu_gemm.call(lib.specserve_cpu_qgemm, x, packed, bias, n)

@@ -110,15 +110,17 @@ def test_a_packed_model_computes_the_dense_one(
     assert not any(type(m) is nn.Linear for m in packed.modules())
     assert isinstance(packed.lm_head, PackedLinear)  # tied too: a packed copy of the embedding
     assert packed.embed_tokens.weight.dtype == torch.float32  # the lookup keeps dense rows
+    # fp32 accumulation in another order: ~1e-6 relative; a transposed or wrong weight gives ~1
+    assert _rel(*_logits(loaded.config, packed, dense)) < 1e-4
+
+
+def _logits(config, *models: nn.Module) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     batch = [
-        (i, torch.randint(3, loaded.config.vocab_size, (n,), generator=g).tolist())
+        (i, torch.randint(3, config.vocab_size, (n,), generator=g).tolist())
         for i, n in enumerate((30, 9, 17))
     ]
-    got = PagedRunner(packed, loaded.config).logits(batch)
-    want = PagedRunner(dense, loaded.config).logits(batch)
-    # fp32 accumulation in another order: ~1e-6 relative; a transposed or wrong weight gives ~1
-    assert _rel(got, want) < 1e-4
+    return [PagedRunner(m, config).logits(batch) for m in models]
 
 
 def test_the_switch_keeps_f_linear(tiny_llama_dir: Path) -> None:
@@ -186,14 +188,8 @@ def test_a_model_packed_as_blocks_computes_the_dense_one(
     linears = [m for m in packed.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.qlib is not None for m in linears)
     assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.qlib is not None
-    g = torch.Generator().manual_seed(1)
-    batch = [
-        (i, torch.randint(3, loaded.config.vocab_size, (n,), generator=g).tolist())
-        for i, n in enumerate((30, 9, 17))
-    ]
-    got = PagedRunner(packed, loaded.config).logits(batch)
-    want = PagedRunner(dense, loaded.config).logits(batch)
-    assert _rel(got, want) < 1e-4  # fp32-grade; a wrong tile layout or shard order gives ~1
+    # fp32-grade; a wrong tile layout or shard order gives ~1
+    assert _rel(*_logits(loaded.config, packed, dense)) < 1e-4
 
 
 @blocks_kernel
