@@ -21,7 +21,7 @@
 // Layout (cpu_qgemm.py packs it): for 16 outputs t and block b, one 512-byte tile
 //   Q[t][b][i][4 j + e] = q[16 t + j][32 b + 4 i + e]    (i < 8 groups of 4 inputs, j < 16)
 // (AMX's B-tile layout; a 64-byte row is vpdpbusd's signed operand), then per (t, b) 16 fp32
-// d, 16 fp32 m and 16 int32 sum q. N % 16 == 0, K % 32 == 0.
+// d, 16 fp32 m and 16 int32 -128 sum q (Ph's start). N % 16 == 0, K % 32 == 0.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -63,7 +63,7 @@ struct Packed {
     const int8_t* q;      // [N / 16][K / 32][512]
     const float* d;       // [N / 16][K / 32][16]
     const float* m;       // [N / 16][K / 32][16]
-    const int32_t* qsum;  // [N / 16][K / 32][16]
+    const int32_t* start;  // [N / 16][K / 32][16]: -128 sum q, where Ph starts
 };
 
 Packed unpack(const void* packed, int N, int K) {
@@ -172,7 +172,7 @@ void vec_tile(const Split& a, int r0, const Packed& w, int t0, int K, v16* out) 
     for (int b = 0; b < nb; ++b) {
         i16 ph[ROWS][NP], lo[ROWS][NP] = {};
         for (int p = 0; p < NP; ++p) {
-            const i16 start = loadv<i16>(w.qsum + (static_cast<int64_t>(t0 + p) * nb + b) * kLanes);
+            const i16 start = loadv<i16>(w.start + (static_cast<int64_t>(t0 + p) * nb + b) * kLanes);
             for (int r = 0; r < ROWS; ++r) ph[r][p] = start;
         }
         const uint8_t* xb = a.bytes + unit(nb, r0, b);  // ROWS <= 4 rows: one unit
@@ -274,7 +274,7 @@ void configure() {
 inline void amx_issue(const Split& a, int r0, const Packed& w, int t, int b) {
     const int64_t at = (static_cast<int64_t>(t) * a.nb + b) * kLanes;
     const uint8_t* xb = a.bytes + unit(a.nb, r0, b);
-    _tile_loadd(0, w.qsum + at, 0);  // every row starts at -128 sum q
+    _tile_loadd(0, w.start + at, 0);  // every row starts at -128 sum q
     _tile_zero(1);
     _tile_zero(2);
     _tile_loadd(6, w.q + at * kBlock, 64);
