@@ -53,6 +53,10 @@ def shard_rows(model: nn.Module, name: str, weight: torch.Tensor, shards: int) -
     return rows
 
 
+def dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)  # [N, K]
+
+
 def check_against(name: str, weight: torch.Tensor, value: torch.Tensor) -> None:
     """The GGUF's blocks and the loaded weights must agree (they differ by the load dtype's
     rounding only): a wrong name mapping or row permutation fails here, loudly."""
@@ -68,10 +72,7 @@ def joined(model: nn.Module, name: str, weight: torch.Tensor, source: list) -> B
         return None
     parts = []
     for rows, (q, d, m) in zip(shard_rows(model, name, weight, len(source)), source, strict=True):
-        value = d[::8].repeat_interleave(32, dim=1) * q[::8].float() + m[::8].repeat_interleave(
-            32, dim=1
-        )
-        check_against(name, weight[rows][::8], value)
+        check_against(name, weight[rows][::8], dequantized(q[::8], d[::8], m[::8]))
         parts.append((q, d, m))
     q, d, m = (torch.cat(t, dim=0) for t in zip(*parts))
     return q, d, m
