@@ -7,9 +7,8 @@ exact integer sums (AVX512-VNNI, or AMX tiles for chunks of 16 rows), and one fp
 them: an fp32-grade product (tests/ops/test_cpu_qgemm.py compares its error against fp64 with
 F.linear's) whose row results depend on nothing but the row, on either path.
 
-Measured on this 2-core Xeon (AMX), the default model's 211 linears streamed from DRAM, ms per
-pass (fp32 panels -> blocks): 1 row 17.9 -> 8.5, 5 rows 22.7 -> 12.8, 16 rows 32.8 -> 18.0,
-64 rows 77.1 -> 59.6.
+Against the fp32 panels on a 2-core Xeon (AMX), the default model's linears streamed from DRAM
+(tools/cpu_gemm_ab.py): 2.1x at 1 row, 1.9x at 16 rows, 1.35x at 64 rows.
 
 Built on first use by ops/cpu_build.py; `kernel()` is None where it cannot be built or where the
 integer dot products would be emulated (no AVX512-VNNI): callers keep the fp32 panels.
@@ -29,8 +28,8 @@ _SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
 _ABI_VERSION = 1
 LANES, BLOCK = 16, 32
 # AMX takes a chunk of 16 rows from this many rows on: below it the vectors are faster than a
-# tile of mostly padding (measured: 16 rows 18.0 ms a pass on AMX, 23.2 on vectors; 12 rows
-# 17.2 and 19.2; 8 rows 17.9 and 15.5)
+# tile of mostly padding (tools/cpu_gemm_ab.py, the Xeon: 8 rows 17.9 ms a pass on AMX, 15.5
+# on vectors; 12 rows 17.2 and 19.2; 16 rows 18.0 and 23.2)
 AMX_MIN_ROWS = 12
 
 Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] int, d, m [N, K / 32] fp32
