@@ -25,8 +25,8 @@ dense rows): +vocab x hidden weights of memory, 113 MB for the default model.
 Integer blocks: a target loaded from a GGUF keeps its Q4_1 and Q8_0 tensors (the default
 model's 210 Q4_1 tensors in 120 fused layers, its tied head Q8_0) as integer blocks for
 ops/cpu_qgemm.py where the CPU has AVX512-VNNI: 1 byte a weight a step instead of 4, fp32-grade
-products of the same d q + m the fp32 weights hold. A layer whose shards are not all blocks, or whose shape is not whole tiles,
-keeps the panels.
+products of the same d q + m the fp32 weights hold. A layer whose shards are not all blocks, or
+whose shape is not whole tiles, keeps the panels.
 `SPECSERVE_CPU_LINEAR=auto|panels|torch` (panels: never blocks; torch: F.linear everywhere).
 """
 
