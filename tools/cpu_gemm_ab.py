@@ -2,6 +2,7 @@
 (ops/cpu_qgemm) on vectors only and with AMX, over the default model's shapes.
 
     python tools/cpu_gemm_ab.py --rows 1,5,12,16,64 --repeats 5 --json out.json
+    python tools/cpu_gemm_ab.py --rows 4,6,8,10,12,14 --amx-rows 1   # where AMX starts to pay
 
 One pass is every linear of a decode step, each its own weight (30 layers of qkv, o, gate_up
 and down, and the lm_head: 121 weights, streamed from DRAM as a step reads them) at `rows`
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,5,12,16,64")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--amx-rows", type=int, default=cpu_qgemm.AMX_MIN_ROWS,
+                   help="the amx variant's tail threshold (1: AMX for any tail)")  # fmt: skip
     args = p.parse_args(argv)
     panels_lib, lib = cpu_gemm.kernel(), cpu_qgemm.kernel()
     if panels_lib is None or lib is None:
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_pass(variant: str, x: dict[int, torch.Tensor]) -> float:
         if variant != "panels":
-            lib.specserve_cpu_qgemm_use_amx(cpu_qgemm.AMX_MIN_ROWS if variant == "amx" else 0)
+            lib.specserve_cpu_qgemm_use_amx(args.amx_rows if variant == "amx" else 0)
         t = time.perf_counter()
         for n, k, panels, packed in weights:
             if variant == "panels":

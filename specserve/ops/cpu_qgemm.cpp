@@ -376,12 +376,14 @@ int specserve_cpu_qgemm(const float* x, int64_t ldx, const void* packed, const f
     if (M <= 0) return 0;
     const Packed w = unpack(packed, N, K);
     const int amx_end = amx_rows(M);  // rows [0, amx_end) on AMX, the rest on vectors
-    const int mp = (M + kLanes - 1) / kLanes * kLanes;
+    const int chunks = (M + kLanes - 1) / kLanes;
+    // rows split (and padded with zeros up to a whole tile) only where AMX takes a partial tail
+    const int mp = amx_end == M ? chunks * kLanes : M;
     const int nb = K / kBlock;
     const int64_t blocks = static_cast<int64_t>(mp) * nb;
     thread_local std::vector<uint8_t> byte_buf;
     thread_local std::vector<float> sum_buf, step_buf;
-    uint8_t* bytes = scratch(byte_buf, (mp + kLanes - 1) / kLanes * nb * kUnitBytes);
+    uint8_t* bytes = scratch(byte_buf, static_cast<int64_t>(chunks) * nb * kUnitBytes);
     float* sums = scratch(sum_buf, blocks);
     float* steps = scratch(step_buf, blocks);
     const Split a{bytes, sums, steps, nb};

@@ -28,8 +28,10 @@ _SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
 _ABI_VERSION = 1
 LANES, BLOCK = 16, 32
 # AMX takes a chunk of 16 rows from this many rows on: below it the vectors are faster than a
-# tile of mostly padding (tools/cpu_gemm_ab.py, the Xeon: 8 rows 17.9 ms a pass on AMX, 15.5
-# on vectors; 12 rows 17.2 and 19.2; 16 rows 18.0 and 23.2)
+# tile of mostly padding. Paired, 7 repeats (`tools/cpu_gemm_ab.py --rows 4,6,8,10,12,14
+# --amx-rows 1`, the Xeon; benchmarks/cpu/cpu_gemm_amx_rows_xeon.json), speedup over the panels,
+# vectors / AMX: 8 rows 1.68x [1.61, 1.82] / 1.51x [1.46, 1.58], 10 rows 1.60x / 1.63x (level),
+# 12 rows 1.49x [1.47, 1.52] / 1.66x [1.65, 1.67]. Both give the same bits: only speed moves.
 AMX_MIN_ROWS = 12
 
 Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] int, d, m [N, K / 32] fp32
