@@ -148,7 +148,9 @@ def build(eng: LLMEngine, config: EngineConfig, progress: bool) -> None:
     if eng.device_drafting and getattr(eng.runner, "graphs", None) and not config.enforce_eager:
         eng.device_drafting.capture(CudaGraphBackend(eng.device))
     if use_triton(eng.device):
-        eng.runner.warm_up_eager(min(eng.max_num_batched_tokens, eng.max_model_len))
+        eng.runner.warm_up_eager(
+            min(eng.max_num_batched_tokens, eng.max_model_len), eng.max_model_len
+        )
     eos = frozenset(mc.eos_token_ids or ([eng.tokenizer.eos_token_id] if eng.tokenizer else []))
     eng.eos_ids = eos
     eng.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -215,18 +215,18 @@ def paged_attention_triton(
         lse_part = torch.empty(splits, t, h, device=q.device, dtype=torch.float32)
         counters = _split_counters(num_tiles * b * hkv, q.device)
     else:
-        o_part = lse_part = counters = out  # unused by the kernel when NUM_SPLITS == 1
+        o_part = lse_part = counters = out  # unused by the kernel when splits == 1
     fp32 = cache.k.dtype == torch.float32
     _kernels()._paged_attention_kernel[(num_tiles * splits, b, hkv)](
         q, cache.k, cache.v, out, o_part, lse_part, counters,
         ctx.query_lens, ctx.cu_query_lens, ctx.context_lens, ctx.block_tables,
-        b, t, h, scale * _LOG2E, window,
+        b, t, h, scale * _LOG2E, window, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
         cache.v.stride(0), cache.v.stride(1), cache.v.stride(2),
         ctx.block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_P2=_pow2(d), PAGE=page,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
         SLIDING=window > 0,
         # fp32 caches get true fp32 products (tf32 would cost ~3e-4 relative error)
         DOT_PRECISION="ieee" if fp32 else "tf32",

@@ -5,7 +5,7 @@ that triton is importable and the tensors are on CUDA) should import it. The lau
 the heuristics live there; here are the kernels alone.
 
 Paged attention work decomposition (one launch for decode, verify and prefill rows alike):
-  grid = (num_q_tiles * NUM_SPLITS, num_requests, num_kv_heads)
+  grid = (num_q_tiles * num_splits, num_requests, num_kv_heads)
   * a program owns BLOCK_Q consecutive rows of one request and ALL the query heads of one KV
     head (GQA): its BLOCK_M = BLOCK_Q * GROUP rows share every K/V tile it loads, so K/V is read
     once per KV head instead of once per query head;
@@ -14,8 +14,8 @@ Paged attention work decomposition (one launch for decode, verify and prefill ro
   * with a sliding window W (SLIDING) the walk starts at the first row's oldest key
     (first position - W + 1): keys older than every row's window are never loaded, so their
     blocks may have been freed. Keys the last row's window has dropped are masked too;
-  * with NUM_SPLITS > 1 (few programs, long contexts: batch-1 decode) the key range is cut in
-    up to NUM_SPLITS chunks of whole BLOCK_N steps (flash-decoding). Only the chunks that hold
+  * with num_splits > 1 (few programs, long contexts: batch-1 decode) the key range is cut in
+    up to num_splits chunks of whole BLOCK_N steps (flash-decoding). Only the chunks that hold
     keys run ("live" splits: the grid is sized for a static bound, the context is often far
     shorter); each writes a normalised partial output and its log-sum-exp, and the last live
     program of the tile to finish (an acq_rel counter) merges them and resets the counter. One
@@ -127,17 +127,19 @@ def _attend_keys(
 
 
 # Arguments that change from step to step are not specialised on (Triton compiles a variant per
-# "== 1" / "divisible by 16" class of each int): a new class mid-run meant a ~0.3 s compile inside
-# a timed step (the 256-request H200 run lost ~2 s to them).
-@triton.jit(do_not_specialize=["num_reqs", "num_rows", "stride_bt", "window"])
+# "== 1" / "divisible by 16" class of each int, and per value of a constexpr): a new class
+# mid-run meant a ~0.3 s compile inside a timed step (the 256-request H200 run lost ~2 s to
+# them). The split count is one of them: it follows the context length in eager launches (a
+# drafter's catch-up), so it is a runtime int and only whether to split is compiled in.
+@triton.jit(do_not_specialize=["num_reqs", "num_rows", "stride_bt", "window", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]
     v_cache_ptr,
-    out_ptr,  # [T, H, D]            (NUM_SPLITS == 1)
-    o_part_ptr,  # [S, T, H, D] fp32 (NUM_SPLITS > 1)
+    out_ptr,  # [T, H, D]            (not SPLIT)
+    o_part_ptr,  # [S, T, H, D] fp32 (SPLIT)
     lse_part_ptr,  # [S, T, H] fp32, log2 domain
-    count_ptr,  # [num_q_tiles * B * Hkv] int32, zero between launches (NUM_SPLITS > 1)
+    count_ptr,  # [num_q_tiles * B * Hkv] int32, zero between launches (SPLIT)
     query_lens_ptr,  # [B] int32
     cu_query_lens_ptr,  # [B + 1] int32
     context_lens_ptr,  # [B] int32
@@ -147,6 +149,7 @@ def _paged_attention_kernel(
     num_heads,  # H
     qk_scale,
     window,  # sliding window (keys each row sees, itself included); read when SLIDING
+    num_splits,  # key chunks per query tile (1 unless SPLIT)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -165,7 +168,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query positions per program
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP rounded up to a power of two (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # keys per step
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1
     SLIDING: tl.constexpr,  # window > 0
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL (specserve.ops.pdl)
@@ -175,8 +178,8 @@ def _paged_attention_kernel(
         # meanwhile; everything read below (q, the cache, the step's lengths) waits.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    tile = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
     kvh = tl.program_id(2)
 
@@ -190,7 +193,7 @@ def _paged_attention_kernel(
         # The reference returns zeros for rows past the last request; the last request's
         # programs write them.
         if b == num_reqs - 1:
-            num_tiles = tl.num_programs(0) // NUM_SPLITS
+            num_tiles = tl.num_programs(0) // num_splits
             first_pad = tl.load(cu_query_lens_ptr + num_reqs)
             zeros = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=out_ptr.dtype.element_ty)
             for r0 in range(first_pad + tile * BLOCK_Q, num_rows, num_tiles * BLOCK_Q):
@@ -221,7 +224,7 @@ def _paged_attention_kernel(
         kv_start = tl.maximum(first_pos - window + 1, 0)
         win_full = tl.maximum(kv_end - window, 0)
     # This split's key chunk, in whole BLOCK_N steps; with one split it is [kv_start, kv_end).
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(kv_end - kv_start, chunk)  # splits that hold keys; the rest have none
     if split >= live:
         return
@@ -263,7 +266,7 @@ def _paged_attention_kernel(
     # l_i is 0 only for tile rows that are not real, or rows that see no key of this split.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
     elif live == 1:
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_mask)

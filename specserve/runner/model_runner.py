@@ -17,7 +17,7 @@ from specserve import env
 from specserve.engine.scheduler import StepBatch
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
-from specserve.ops.triton_attention import use_triton
+from specserve.ops.triton_attention import MIN_KEYS_PER_SPLIT, use_triton
 from specserve.runner.cuda_graph import BucketStep, CudaGraphBackend, DecodeGraphs, GraphBackend
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 from specserve.runner.graph_tail import SampledTail, TailDrafting
@@ -138,10 +138,13 @@ class ModelRunner:
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
 
-    def warm_up_eager(self, max_query_rows: int) -> int:
-        """Run one eager forward per attention tile class (rows per request -> tile height) so
-        their Triton kernels compile at start-up, not inside the first steps that need them: on
-        the H200 the 256-request run spent ~0.9 s of its 5.3 s compiling prefill variants.
+    def warm_up_eager(self, max_query_rows: int, max_positions: int) -> int:
+        """Run eager forwards per attention tile class (rows per request -> tile height), over
+        a short context and over one long enough to split its keys, so their Triton kernels
+        compile at start-up, not inside the first steps that need them: on the H200 the
+        256-request run spent ~0.9 s of its 5.3 s compiling prefill variants, and a drafter's
+        catch-up over a long context (a split launch) stalled its step as long.
+        max_query_rows / max_positions: the most rows / positions a forward may take.
         Only before serving: the rows write blocks no request owns yet, and every block is
         rewritten by its owner before it is read (a block the prefix cache holds would not be).
         Returns the forwards run."""
@@ -151,12 +154,13 @@ class ModelRunner:
         for tile_rows in (16, 32, 64, 128):
             # >= 2 rows with one logit: a prefill chunk, never a decode-shaped (graph) step
             q = min(max(2, tile_rows // group), max_query_rows)
-            blocks = -(-q // self.block_size)
-            if q < 2 or blocks > self.num_blocks:
-                continue
-            inputs = self.prepare_rows([[0] * q], [0], [list(range(blocks))], [1])
-            self.forward(inputs)
-            runs += 1
+            for start in (0, 2 * MIN_KEYS_PER_SPLIT):
+                blocks = -(-(start + q) // self.block_size)
+                if q < 2 or blocks > self.num_blocks or start + q > max_positions:
+                    continue
+                inputs = self.prepare_rows([[0] * q], [start], [list(range(blocks))], [1])
+                self.forward(inputs)
+                runs += 1
         return runs
 
     def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:

@@ -190,7 +190,8 @@ def test_eager_warm_up_runs_each_tile_class_and_changes_no_output():
     prompts = prompts_of([5, 40, 17, 3], seed=3)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     warmed = make_llm(max_num_seqs=4)
-    assert warmed.engine.runner.warm_up_eager(warmed.engine.max_num_batched_tokens) >= 3
+    eng = warmed.engine
+    assert eng.runner.warm_up_eager(eng.max_num_batched_tokens, eng.max_model_len) >= 6
     want = [
         o.outputs[0].token_ids
         for o in make_llm(max_num_seqs=4).generate(prompts, sp, use_tqdm=False)

@@ -365,3 +365,34 @@ def test_a_dropped_engine_frees_the_device_for_the_next(cuda: torch.device) -> N
     )
     out = second.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_serving_compiles_no_attention_variant_after_start_up(cuda: torch.device) -> None:
+    """Start-up compiles every attention variant an eager step can take (each tile class, its
+    keys split or not): a variant first met while serving stalls its step for about a second,
+    as a drafter's catch-up over a long context did."""
+    if cuda.type != "cuda":
+        pytest.skip("Triton compiles only for a CUDA device")
+    from specserve import LLM, SamplingParams
+    from specserve.ops import triton_attention
+    from tests.gpu.test_triton_attention import compiled_variants
+
+    llm = LLM(
+        "dummy:smollm2-135m",
+        dtype="bfloat16",
+        max_num_seqs=4,
+        max_model_len=2048,
+        max_num_batched_tokens=128,
+        kv_cache_memory_gb=1.0,
+        progress=False,
+    )
+    kernel = triton_attention._kernels()._paged_attention_kernel
+    before = compiled_variants(kernel)
+    rng = random.Random(1)
+    # prompts chunked at 128 rows over contexts up to 1,500 keys (split launches), of 1 to 42
+    # rows per chunk tile class, then decode steps beside them
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 40, 700, 1500)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)
+    assert compiled_variants(kernel) == before

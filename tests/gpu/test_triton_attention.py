@@ -173,6 +173,34 @@ def test_split_kv_matches_reference(cuda, dtype, splits):
         assert not counters.any(), counters.nonzero()
 
 
+def compiled_variants(kernel) -> int:
+    """Variants of a Triton kernel compiled so far (the cache's layout differs by version)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+@pytest.mark.gpu
+def test_split_counts_and_lengths_share_one_compiled_kernel(cuda):
+    # An eager launch (a drafter's catch-up) picks its split count from the context length: a
+    # kernel compiled per split count stalled the step that first met a count (~1 s each).
+    if cuda.type != "cuda":
+        pytest.skip("Triton's CPU interpreter compiles nothing")
+    kernel = triton_attention._kernels()._paged_attention_kernel
+    dtype = torch.bfloat16
+
+    def launch(c_len: int, splits: int) -> None:
+        case = make_case(cuda, dtype, [1, 1], [c_len, c_len // 2 + 1], hkv=2, seed=c_len)
+        check_attention(case, dtype, num_splits=splits)
+
+    launch(300, 2)
+    before = compiled_variants(kernel)
+    for c_len, splits in [(301, 3), (517, 5), (1024, 7), (2049, 16), (4000, 31)]:
+        launch(c_len, splits)
+    assert compiled_variants(kernel) == before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 5])
