@@ -22,9 +22,11 @@
 //   Q[t][b][i][4 j + e] = q[16 t + j][32 b + 4 i + e]    (i < 8 groups of 4 inputs, j < 16)
 // (AMX's B-tile layout; a 64-byte row is vpdpbusd's signed operand), then per (t, b) 16 fp32
 // d, 16 fp32 m and 16 int32 -128 sum q (Ph's start). N % 16 == 0, K % 32 == 0.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -254,15 +256,16 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles 0..2: the int32 sums of h, m, l (16 rows x 16); 3..5: the bytes h, m, l (16 rows x
-// 32); 6: q (8 rows of 4 inputs x 16 outputs).
-void configure() {
+// Tiles 0..2: the int32 sums of h, m, l (rows x 16); 3..5: the bytes h, m, l (rows x 32); 6: q
+// (8 rows of 4 inputs x 16 outputs). A chunk of fewer than 16 rows gets tiles of its own height:
+// the tile work, its stores and the fold then scale with the rows there are, not with 16.
+void configure(int rows) {
     TileConfig cfg{};
     cfg.palette = 1;
     for (int i = 0; i < 3; ++i) {
-        cfg.rows[i] = 16;
+        cfg.rows[i] = static_cast<uint8_t>(rows);
         cfg.colsb[i] = 64;
-        cfg.rows[3 + i] = 16;
+        cfg.rows[3 + i] = static_cast<uint8_t>(rows);
         cfg.colsb[3 + i] = 32;
     }
     cfg.rows[6] = 8;
@@ -286,14 +289,20 @@ inline void amx_issue(const Split& a, int r0, const Packed& w, int t, int b) {
     _tile_dpbusd(2, 5, 6);
 }
 
-// One tile of 16 outputs against 16 rows (rows past M are the split's zeros, their sums and
-// steps zeros: computed, not stored). The 16 accumulators stay in registers; block b + 1's
-// tile work runs while block b is folded.
-void amx_tile(const Split& a, int r0, int rows, const Packed& w, int t, const float* bias,
-              float* y, int64_t ldy) {
+// Blocks of weights fetched ahead of the tile work: a tile load that misses waits for DRAM (the
+// vector path's loads overlap it out of order), ~100 ns, about 4 blocks' work at 1-6 rows.
+constexpr int kAhead = 4;
+
+inline void fetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// One tile of 16 outputs against ROWS rows (the tiles configured to ROWS rows). The
+// accumulators stay in registers; block b + 1's tile work runs while block b is folded.
+template <int ROWS>
+void amx_tile(const Split& a, int r0, const Packed& w, int t, const float* bias, float* y,
+              int64_t ldy) {
     const int nb = a.nb;
     alignas(64) int32_t c[2][kParts][kLanes * kLanes];
-    v16 acc[kLanes] = {};
+    v16 acc[ROWS] = {};
     amx_issue(a, r0, w, t, 0);
     for (int b = 0; b < nb; ++b) {
         int32_t (*cb)[kLanes * kLanes] = c[b & 1];
@@ -302,14 +311,44 @@ void amx_tile(const Split& a, int r0, int rows, const Packed& w, int t, const fl
         _tile_stored(2, cb[2], 64);
         if (b + 1 < nb) amx_issue(a, r0, w, t, b + 1);
         const int64_t at = (static_cast<int64_t>(t) * nb + b) * kLanes;
+        if (b + kAhead < nb) {
+            const int64_t ahead = at + kAhead * kLanes;
+            for (int line = 0; line < kTileBytes; line += 64) fetch(w.q + ahead * kBlock + line);
+            fetch(w.d + ahead);
+            fetch(w.m + ahead);
+            fetch(w.start + ahead);
+        }
 #pragma GCC unroll 16
-        for (int r = 0; r < kLanes; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
             const int64_t rb = static_cast<int64_t>(r0 + r) * nb + b;
             const i16 lo = loadv<i16>(cb[1] + r * kLanes) * 256 + loadv<i16>(cb[2] + r * kLanes);
             fold(acc[r], loadv<i16>(cb[0] + r * kLanes), lo, w, at, a.sums[rb], a.steps[rb]);
         }
     }
-    store(acc, rows, 1, t, bias, y, ldy, r0);
+    store(acc, ROWS, 1, t, bias, y, ldy, r0);
+}
+
+typedef void (*AmxTile)(const Split&, int, const Packed&, int, const float*, float*, int64_t);
+
+template <int... R>
+constexpr std::array<AmxTile, sizeof...(R)> amx_tiles(std::integer_sequence<int, R...>) {
+    return {&amx_tile<R + 1>...};
+}
+
+// amx_tile<rows> for rows 1..16
+constexpr auto kAmxTile = amx_tiles(std::make_integer_sequence<int, kLanes>{});
+
+// Rows [r0, r1) of the call (one chunk of at most 16, or whole chunks) against every tile, on
+// AMX: the chunks of this thread's share of the tiles.
+void amx_rows_range(const Split& a, int r0, int r1, const Packed& w, int tiles,
+                    const float* bias, float* y, int64_t ldy) {
+    if (r0 >= r1) return;
+    const int rows = r1 - r0 < kLanes ? r1 - r0 : kLanes;
+    configure(rows);
+    const AmxTile tile = kAmxTile[rows - 1];
+#pragma omp for schedule(static) nowait
+    for (int t = 0; t < tiles; ++t)
+        for (int c = r0; c < r1; c += kLanes) tile(a, c, w, t, bias, y, ldy);
 }
 
 bool amx_permitted() {
@@ -323,8 +362,8 @@ bool amx_permitted() {
 int amx_min_rows = 0;  // 0: vectors only; set by specserve_cpu_qgemm_use_amx
 
 // The rows AMX takes: every whole chunk of 16, and the last one if it has amx_min_rows rows
-// (below that, the vectors take fewer rows faster than a tile of mostly padding). Both paths
-// give a row the same bits, so the split changes no result.
+// (below that, the vectors take them faster). Both paths give a row the same bits, so the
+// split changes no result.
 int amx_rows(int M) {
     if (amx_min_rows <= 0) return 0;
     const int whole = M / kLanes * kLanes;
@@ -376,11 +415,10 @@ int specserve_cpu_qgemm(const float* x, int64_t ldx, const void* packed, const f
     if (M <= 0) return 0;
     const Packed w = unpack(packed, N, K);
     const int amx_end = amx_rows(M);  // rows [0, amx_end) on AMX, the rest on vectors
+    const int whole = M / kLanes * kLanes;
     const int chunks = (M + kLanes - 1) / kLanes;
-    // rows split (and padded with zeros up to a whole tile) only where AMX takes a partial tail
-    const int mp = amx_end == M ? chunks * kLanes : M;
     const int nb = K / kBlock;
-    const int64_t blocks = static_cast<int64_t>(mp) * nb;
+    const int64_t blocks = static_cast<int64_t>(M) * nb;
     thread_local std::vector<uint8_t> byte_buf;
     thread_local std::vector<float> sum_buf, step_buf;
     uint8_t* bytes = scratch(byte_buf, static_cast<int64_t>(chunks) * nb * kUnitBytes);
@@ -395,25 +433,15 @@ int specserve_cpu_qgemm(const float* x, int64_t ldx, const void* packed, const f
 #else
         const int nt = 1, id = 0;
 #endif
-        const int per = (mp + nt - 1) / nt;
-        const int lo = id * per < mp ? id * per : mp, hi = lo + per < mp ? lo + per : mp;
-        split_rows(x, ldx, lo, hi < M ? hi : M, K, bytes, sums, steps);
-        for (int r = lo > M ? lo : M; r < hi; ++r) {
-            for (int b = 0; b < nb; ++b) {
-                for (int part = 0; part < kParts; ++part)
-                    std::memset(bytes + unit(nb, r, b) + part * kLanes * kBlock, 0, kBlock);
-                sums[r * nb + b] = steps[r * nb + b] = 0.0f;
-            }
-        }
+        const int per = (M + nt - 1) / nt;
+        const int lo = id * per < M ? id * per : M, hi = lo + per < M ? lo + per : M;
+        split_rows(x, ldx, lo, hi, K, bytes, sums, steps);
 #pragma omp barrier
 #ifdef SPECSERVE_AMX
         if (amx_end > 0) {
-            configure();
-#pragma omp for schedule(static) nowait
-            for (int t = 0; t < tiles; ++t)
-                for (int r0 = 0; r0 < amx_end; r0 += kLanes)
-                    amx_tile(a, r0, amx_end - r0 < kLanes ? amx_end - r0 : kLanes, w, t, bias, y,
-                             ldy);
+            // whole chunks, then a partial one in tiles of its own height
+            amx_rows_range(a, 0, amx_end < whole ? amx_end : whole, w, tiles, bias, y, ldy);
+            amx_rows_range(a, whole, amx_end, w, tiles, bias, y, ldy);
             _tile_release();
         }
 #endif

@@ -27,12 +27,12 @@ from specserve.ops import cpu_build, cpu_gemm
 _SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
 _ABI_VERSION = 1
 LANES, BLOCK = 16, 32
-# AMX takes a chunk of 16 rows from this many rows on: below it the vectors are faster than a
-# tile of mostly padding. Paired, 7 repeats (`tools/cpu_gemm_ab.py --rows 4,6,8,10,12,14
+# AMX takes a chunk of 16 rows (its tiles as tall as the chunk) from this many rows on: below
+# it the vectors are faster. Paired, 9 repeats (`tools/cpu_gemm_ab.py --rows 1,2,3,4,5,6,8,12,16
 # --amx-rows 1`, the Xeon; benchmarks/cpu/cpu_gemm_amx_rows_xeon.json), speedup over the panels,
-# vectors / AMX: 8 rows 1.68x [1.61, 1.82] / 1.51x [1.46, 1.58], 10 rows 1.60x / 1.63x (level),
-# 12 rows 1.49x [1.47, 1.52] / 1.66x [1.65, 1.67]. Both give the same bits: only speed moves.
-AMX_MIN_ROWS = 12
+# vectors / AMX: 3 rows 2.36x / 2.08x, 4 rows 2.02x / 2.01x (level), 5 rows 1.77x [1.71, 1.79] /
+# 1.99x [1.93, 2.06], 6 rows 1.62x / 1.94x. Both give the same bits: only speed moves.
+AMX_MIN_ROWS = 5
 
 Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [N, K] int, d, m [N, K / 32] fp32
 

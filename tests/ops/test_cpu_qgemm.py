@@ -113,7 +113,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(amx_rows: int) -> N
 
 @pytest.mark.skipif(lib is not None and not lib.specserve_cpu_qgemm_amx_available(),
                     reason="no AMX here")  # fmt: skip
-@pytest.mark.parametrize("rows", [1, 12, 16, 20, 28, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 12, 15, 16, 20, 28, 64])
 def test_amx_tiles_give_the_vector_paths_bits(rows: int) -> None:
     n, k = 64, 1536
     for kind in ("q4_1", "q8_0"):
