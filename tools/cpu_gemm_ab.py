@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from specserve.bench.report import hardware_info, median_interval
+from specserve.model.gguf_blocks import dequantized
 from specserve.ops import cpu_gemm, cpu_qgemm
 
 # SmolLM2-135M: (N, K, count) of qkv, o, gate_up, down and the lm_head
@@ -36,7 +37,7 @@ def _weights(seed: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
             q = torch.randint(-127 if signed else 0, 128 if signed else 16, (n, k), generator=g)
             d = torch.rand(n, k // 32, generator=g) * 0.01
             m = torch.zeros_like(d) if signed else -torch.rand(n, k // 32, generator=g) * 0.08
-            w = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
+            w = dequantized(q, d, m)
             out.append((n, k, cpu_gemm.to_panels(w), cpu_qgemm.pack((q, d, m))))
     return out
 
