@@ -101,8 +101,6 @@ class LLMEngine:
         if seq is not None:
             if self.speculator is not None:
                 self.speculator.release(seq)
-            if self.device_drafting is not None:
-                self.device_drafting.release(seq)
         return seq
 
     def has_unfinished(self) -> bool:

@@ -2,9 +2,13 @@
 calibration of the confidences a model drafter's drafts are planned with.
 
 The confidence of draft j is the conditional rate P(draft j accepted | drafts < j accepted): the
-verify budget multiplies them into survivals. Engine-wide counts per position, with PRIOR_WEIGHT
-pseudo-verifications at PRIOR_RATE; a request's own counts, with PRIOR_WEIGHT pseudo-verifications
-at the engine-wide rate (a new request starts at the engine's rate and moves to its own).
+verify budget multiplies them into survivals. Estimates are kept per kind of draft, a class the
+drafter gives its drafts when it makes them (n-gram: the length of the match that proposed them;
+a match of prompt_lookup_max tokens verifies about 0.8 a draft where one of 2 verifies about
+0.3, on chat and code alike), so a draft is priced by what drafts like it did. Per kind,
+engine-wide counts per position, with PRIOR_WEIGHT pseudo-verifications at PRIOR_RATE; a
+request's own counts, with PRIOR_WEIGHT pseudo-verifications at the engine-wide rate of that
+kind (a new request starts at the engine's rate and moves to its own).
 """
 
 from __future__ import annotations
@@ -43,18 +47,24 @@ class PositionCounts:
 
 class AcceptanceEstimator:
     def __init__(self) -> None:
-        self.global_rates = PositionCounts()
-        self.per_request: dict[str, PositionCounts] = {}
+        self.global_rates: dict[int, PositionCounts] = {}  # kind -> engine-wide counts
+        self.per_request: dict[str, dict[int, PositionCounts]] = {}  # request -> kind -> own
 
-    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request_id: str, num_drafts: int, num_accepted: int, kind: int = 0) -> None:
         if num_drafts == 0:
             return
-        self.global_rates.record(num_drafts, num_accepted)
-        self.per_request.setdefault(request_id, PositionCounts()).record(num_drafts, num_accepted)
+        self.global_rates.setdefault(kind, PositionCounts()).record(num_drafts, num_accepted)
+        own = self.per_request.setdefault(request_id, {})
+        own.setdefault(kind, PositionCounts()).record(num_drafts, num_accepted)
 
-    def confidences(self, request_id: str, n: int) -> list[float]:
-        own = self.per_request.get(request_id) or PositionCounts()
-        return [own.rate(j, self.global_rates.rate(j, PRIOR_RATE)) for j in range(n)]
+    def rates(self, n: int, kind: int = 0) -> list[float]:
+        """The engine-wide rates of positions 0..n-1 for drafts of this kind."""
+        counts = self.global_rates.get(kind) or PositionCounts()
+        return [counts.rate(j, PRIOR_RATE) for j in range(n)]
+
+    def confidences(self, request_id: str, n: int, kind: int = 0) -> list[float]:
+        own = self.per_request.get(request_id, {}).get(kind) or PositionCounts()
+        return [own.rate(j, prior) for j, prior in enumerate(self.rates(n, kind))]
 
     def release(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)

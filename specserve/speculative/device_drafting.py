@@ -9,8 +9,8 @@ launch).
 What the host does: when a request starts running (admission, also after a preemption) it
 uploads the request's tokens (n-gram history) and golden ids + coins, applied on the device at
 the start of that step, in stream order behind every step that still reads the slot's previous
-owner. Per step it uploads the n-gram confidences (its acceptance estimate, learned one step
-late from the readback). Everything else is device work in StepSampler.execute's after_verify.
+owner. Everything else is device work in StepSampler.execute's after_verify (n-gram's
+confidences too: ngram_device.py learns them from each step's verification).
 
 The verify budget (allot below) sizes each request's rows on the host from the confidences read
 back with each step: those of the drafts a step wrote for the step after it. Under overlap the
@@ -45,7 +45,6 @@ from specserve.ops.transfer import h2d
 from specserve.runner.graph_tail import TailDrafting, TailStep
 from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
-from specserve.speculative.acceptance import PRIOR_RATE, AcceptanceEstimator
 from specserve.speculative.catch_up import pack_catch_up
 from specserve.speculative.draft_model_device import DraftModelDeviceDrafter
 from specserve.speculative.eagle3_device import Eagle3DeviceDrafter
@@ -113,7 +112,6 @@ class DeviceDrafting:
             self.ngram = NgramDeviceDrafter(
                 pool, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len
             )
-            self.acceptance = AcceptanceEstimator()
         else:
             self.golden = GoldenDeviceDrafter(pool, spec.acceptance_rate, vocab_size, seed)
             # its tables before any graph captures their addresses (tail_drafting)
@@ -259,14 +257,10 @@ class DeviceDrafting:
     ) -> Callable[[SamplerPlan, VerifyResult, torch.Tensor], None] | None:
         """The after_verify of one step (its sampling requests, the KV position of each anchor
         row as laid out, its draft rows): drafts the next step (None: a model drafter's step
-        that does not draft). Host inputs are read now: the n-gram confidences (the acceptance
-        seen so far), a model drafter's catch-up layout."""
-        conf = lay = None
+        that does not draft). Host inputs are read now: a model drafter's catch-up layout."""
+        lay = None
         # the longest sequence after this step, at most: all drafts accepted
         bound = max((p + n + 2 for p, n in zip(anchor_pos, num_drafts)), default=1)
-        if self.ngram is not None:
-            rates = [self.acceptance.global_rates.rate(j, PRIOR_RATE) for j in range(self.k)]
-            conf = h2d(rates, torch.float32, self.device)
         if self.model_drafter is not None:
             if not self.drafting_now:
                 return None
@@ -285,7 +279,8 @@ class DeviceDrafting:
                     result.num_accepted,
                     seq_len,
                 )
-                self.ngram.draft(slots, seq_len, conf, bound)
+                self.ngram.learn(slots, plan.layout.seqlens_q, result.num_accepted)
+                self.ngram.draft(slots, seq_len, bound)
             elif self.model_drafter is not None:
                 self.model_drafter.draft(
                     lay, plan, result, seq_len, seq_len - self.prompt_len[slots]
@@ -310,22 +305,12 @@ class DeviceDrafting:
     def observe(self, seqs: list[Sequence], host: HostStepResult, drafted: bool = True) -> None:
         """A step read back (drafted: it drafted for the next): the confidences its drafts came
         with and, for a model drafter, the length its drafter's KV is now valid to (a request
-        that ended since has given its slot away: skipped); the n-gram acceptance estimate
-        learns from its real drafts."""
+        that ended since has given its slot away: skipped)."""
         if host.next_confidences is not None and drafted:
             for s, conf, acc in zip(seqs, host.next_confidences, host.num_accepted):
                 if s.slot and not s.is_finished:
                     self.host_conf[s.slot, : len(conf)] = conf
                     self.kv_len[s.slot] = s.num_tokens + acc + 1  # read before its ledger
-        if self.ngram is None or host.num_real_drafts is None:
-            return
-        for s, n, acc in zip(seqs, host.num_real_drafts, host.num_accepted):
-            if n:
-                self.acceptance.record(s.request_id, n, min(acc, n))
-
-    def release(self, seq: Sequence) -> None:
-        if self.ngram is not None:
-            self.acceptance.release(seq.request_id)
 
     # -- device -------------------------------------------------------------------------------
     def apply(self, admissions: list[Admission]) -> None:

@@ -7,6 +7,12 @@ matches (ending at e <= len - 1, so the suffix never matches itself) proposes th
 followed it, history[e : e + k], cut at the end of the history. Tensor ops only: O(n_max^2 *
 R * L) comparisons per step for R requests whose lengths the host bounds by L, no host
 sync.
+
+Confidences are learned on the device too, by the kind of the drafts (the matched length n, as
+acceptance.py keys the host drafter's): engine-wide counts per (n, position) of the drafts each
+step verified and accepted, read before the step's drafting overwrites them, give the rate of
+position j as acceptance.PositionCounts.rate does (PRIOR_WEIGHT pseudo-verifications at
+PRIOR_RATE); a request's drafts carry the rates of their kind into the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from specserve.engine.slots import DraftSlotPool
 from specserve.sample.layout import RowLayout
+from specserve.speculative.acceptance import PRIOR_RATE, PRIOR_WEIGHT
 
 
 class NgramDeviceDrafter:
@@ -26,6 +33,12 @@ class NgramDeviceDrafter:
         self.history = torch.zeros(
             pool.num_slots + 1, max_model_len + 1, dtype=torch.int64, device=pool.device
         )
+        dev, k = pool.device, pool.draft_ids.shape[1]
+        self.kind = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=dev)  # n, 0: none
+        # [n_max + 1, k] drafts of each kind verified at position j (reached: the drafts
+        # before it accepted) and accepted there
+        self.verified = torch.zeros(n_max + 1, k, dtype=torch.float32, device=dev)
+        self.accepted = torch.zeros(n_max + 1, k, dtype=torch.float32, device=dev)
 
     def admit(self, slot: int, tokens: torch.Tensor) -> None:
         """A request starts running in `slot` with these tokens ([n] int64, on the device)."""
@@ -52,12 +65,30 @@ class NgramDeviceDrafter:
         flat = slots[req] * (self.width + 1) + pos
         self.history.view(-1).scatter_(0, flat, tok)
 
-    def draft(
-        self, slots: torch.Tensor, seq_len: torch.Tensor, conf: torch.Tensor, bound: int
+    def learn(
+        self,
+        slots: torch.Tensor,  # [R] int64
+        seqlens_q: torch.Tensor,  # [R] the step's rows per request
+        num_accepted: torch.Tensor,  # [R] int64
     ) -> None:
-        """Drafts of every request of the step into its pool slot (-1 where none); conf [k]:
-        the confidence of each position (the host's acceptance estimate); bound: a host bound
-        on the lengths (only that much of the history is scanned)."""
+        """Count the drafts the step verified (still in the pool: call before draft), by kind."""
+        drafts = self.pool.draft_ids[slots]  # [R, k]
+        real = torch.minimum((drafts >= 0).sum(1), seqlens_q.to(torch.int64) - 1)  # [R]
+        j = torch.arange(drafts.shape[1], device=drafts.device)
+        reached = j < torch.minimum(real, num_accepted + 1).unsqueeze(1)  # [R, k]
+        taken = j < torch.minimum(real, num_accepted).unsqueeze(1)
+        kind = self.kind[slots]
+        self.verified.index_add_(0, kind, reached.to(torch.float32))
+        self.accepted.index_add_(0, kind, taken.to(torch.float32))
+
+    def rates(self) -> torch.Tensor:
+        """[n_max + 1, k] the confidence of position j of a draft of kind n."""
+        return (self.accepted + PRIOR_WEIGHT * PRIOR_RATE) / (self.verified + PRIOR_WEIGHT)
+
+    def draft(self, slots: torch.Tensor, seq_len: torch.Tensor, bound: int) -> None:
+        """Drafts of every request of the step into its pool slot (-1 where none), with the
+        confidences of their kind; bound: a host bound on the lengths (only that much of the
+        history is scanned)."""
         pool, width = self.pool, max(1, min(bound, self.width))
         k = pool.draft_ids.shape[1]
         hist = self.history[slots, :width]  # [R, L]
@@ -67,6 +98,7 @@ class NgramDeviceDrafter:
         pad = torch.full((r, self.n_max), -2, dtype=hist.dtype, device=hist.device)
         padded = torch.cat([pad, hist], dim=1)  # column c of hist at c + n_max
         start = torch.full_like(lens, -1)
+        kind = torch.zeros_like(lens)
         for n in range(self.n_max, self.n_min - 1, -1):
             at = (lens - n).clamp_min(0).unsqueeze(1) + torch.arange(n, device=hist.device)
             suffix = hist.gather(1, at.clamp(max=width - 1))  # [R, n] the last n tokens
@@ -75,10 +107,13 @@ class NgramDeviceDrafter:
                 lo = self.n_max - n + i
                 match &= padded[:, lo : lo + width] == suffix[:, i : i + 1]
             best = torch.where(match, ends, torch.full_like(ends, -1)).amax(dim=1)  # [R]
+            kind = torch.where((start < 0) & (best >= 0), n, kind)
             start = torch.where(start < 0, best, start)
         offs = start.unsqueeze(1) + torch.arange(k, device=hist.device)  # [R, k]
         ok = (start >= 0).unsqueeze(1) & (offs < lens.unsqueeze(1))
         drafts = hist.gather(1, offs.clamp(0, width - 1))
         drafts = torch.where(ok, drafts, torch.full_like(drafts, -1))
         pool.draft_ids.index_copy_(0, slots, drafts)
-        pool.draft_conf.index_copy_(0, slots, torch.where(ok, conf.expand(r, k), 0.0))
+        conf = self.rates()[kind]  # [R, k]
+        pool.draft_conf.index_copy_(0, slots, torch.where(ok, conf, 0.0))
+        self.kind.index_copy_(0, slots, kind)
