@@ -145,14 +145,20 @@ def test_device_ngram_proposes_what_the_host_index_proposes(histories, n_min, n_
     for s, h in zip(slots.tolist(), histories):
         drafter.admit(s, torch.tensor(h))
     lens = torch.tensor([len(h) for h in histories])
+    drafter.verified.fill_(10.0)  # a different rate per kind
+    drafter.accepted.copy_(torch.arange(n_max + 1.0).unsqueeze(1).expand(-1, k))
     drafter.draft(slots, lens, max(len(h) for h in histories))
     for s, h in zip(slots.tolist(), histories):
         want = NgramIndex(n_min, n_max).propose(h, k)
         got = [t for t in pool.draft_ids[s].tolist() if t >= 0]
         assert got == want, (h, got, want)
         assert pool.draft_ids[s, len(got) :].eq(-1).all()
-        # the kind of its drafts: the length of the match that proposed them
-        assert int(drafter.kind[s]) == NgramIndex(n_min, n_max).match(h)[1]
+        # the kind of its drafts: the length of the match that proposed them, whose rates
+        # its drafts carry (0 where it has none)
+        kind = NgramIndex(n_min, n_max).match(h)[1]
+        assert int(drafter.kind[s]) == kind
+        want_conf = drafter.rates()[kind, : len(got)].tolist() + [0.0] * (k - len(got))
+        assert pool.draft_conf[s].tolist() == want_conf
 
 
 def test_device_ngram_history_appends_the_emitted_tokens():
