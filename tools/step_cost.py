@@ -6,13 +6,16 @@ head makes come from `specserve bench spec-sweep`.
     python tools/step_cost.py --model dummy:llama-3.1-8b --head random --json out.json
     python tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct
 
-Modes: off; off-eager-sampler (off with SPECSERVE_GRAPH_TAIL=0: the sampling after the forward
-graph runs eagerly, runner/graph_tail.py); golden (acceptance 0: k verify rows a step, the
-verification's cost, sampled and drafted in the graph's tail); golden-eager-sampler (the same
-with SPECSERVE_GRAPH_TAIL=0); eagle3 (the head's catch-up and k - 1 chained steps on top, its
-inputs written in the tail, its chain's graph behind it); eagle3-eager-sampler. Engines are
-built once and the repeats interleave the modes; `ratios` pairs each mode with its
-eager-sampler twin within each repeat (median and 90 % bootstrap interval).
+Modes (--modes): off; golden (acceptance 0: k verify rows a step, the verification's cost,
+sampled and drafted in the graph's tail); eagle3 (the head's catch-up and k - 1 chained steps on
+top, its inputs written in the tail, its chain's graph behind it). Each mode has a twin per
+--off SWITCH, built with that `env.settings` switch off: by default graph_tail, the twin
+"MODE-eager-sampler" (the sampling after the forward graph runs eagerly, runner/graph_tail.py);
+any other switch gives "MODE SWITCH=0" (e.g. --off gemv_rows: verify rows on cuBLAS). Engines
+are built once and the repeats interleave them; `ratios` pairs each mode with each twin within
+each repeat (median and 90 % bootstrap interval).
+
+    python tools/step_cost.py --model dummy:llama-3.1-8b --modes off,golden --off gemv_rows
 """
 
 from __future__ import annotations
@@ -55,40 +58,57 @@ def main() -> None:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--modes", default="off,golden,eagle3")
+    p.add_argument("--off", action="append", default=None, help="twin switch (default graph_tail)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="per engine")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args()
     from specserve import LLM, SamplingParams, env
     from specserve.bench.common import engine_kwargs
     from specserve.bench.report import median_interval
 
-    head = args.head
-    if head == "random":
-        head = _random_head(args.model, Path(tempfile.mkdtemp()) / "head")
-    k, off = args.k, {"verify_budget": "off"}
-    specs = {
+    k, budget_off = args.k, {"verify_budget": "off"}
+    modes = args.modes.split(",")
+    base = {
         "off": None,
-        "off-eager-sampler": None,
-        "golden": {"method": "golden", "num_speculative_tokens": k, "acceptance_rate": 0.0, **off},
-        "golden-eager-sampler": None,
-        "eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": k, **off},
-        "eagle3-eager-sampler": None,
+        "golden": {"method": "golden", "num_speculative_tokens": k, "acceptance_rate": 0.0},
+        "eagle3": {"method": "eagle3", "num_speculative_tokens": k},
     }
+    if "eagle3" in modes:
+        head = args.head
+        if head == "random":
+            head = _random_head(args.model, Path(tempfile.mkdtemp()) / "head")
+        base["eagle3"]["model"] = head
+    switches = args.off or ["graph_tail"]
+
+    def twin(m: str, switch: str) -> str:
+        return f"{m}-eager-sampler" if switch == "graph_tail" else f"{m} {switch}=0"
+
+    specs = {}  # name -> (speculative config, switches off)
+    for m in modes:
+        spec = None if base[m] is None else {**base[m], **budget_off}
+        specs[m] = (spec, {})
+        specs.update({twin(m, f): (spec, {f: False}) for f in switches})
     llms = {}
-    specs["golden-eager-sampler"] = specs["golden"]
-    specs["eagle3-eager-sampler"] = specs["eagle3"]
-    for m, s in specs.items():
-        with env.override(graph_tail=not m.endswith("eager-sampler")):
-            llms[m] = LLM(
+    for name, (spec, off) in specs.items():
+        with env.override(**off):
+            llms[name] = LLM(
                 model=args.model,
                 dtype="bfloat16",
                 max_num_seqs=32,
-                speculative_config=s,
+                speculative_config=spec,
                 progress=False,
                 seed=0,
-                **engine_kwargs(1024, 4, False),
+                **engine_kwargs(1024, args.kv_cache_gb, False),
             )
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
-    report: dict = {"model": args.model, "k": k, "device": torch.cuda.get_device_name(), "ms": {}}
+    report: dict = {
+        "model": args.model,
+        "k": k,
+        "off": switches,
+        "device": torch.cuda.get_device_name(),
+        "ms": {},
+    }
     for b in map(int, args.batches.split(",")):
         prompts = [[1 + (i * 37 + j) % 30000 for j in range(128)] for i in range(b)]
         runs: dict[str, list[float]] = {m: [] for m in llms}
@@ -97,18 +117,19 @@ def main() -> None:
         for _ in range(args.repeats):
             for m, llm in llms.items():
                 eng = llm.engine
+                off = specs[m][1]
                 s0 = eng.num_steps
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                llm.generate(prompts, sp, use_tqdm=False)
+                with env.override(**off):  # eager steps read the switch when they run
+                    llm.generate(prompts, sp, use_tqdm=False)
                 torch.cuda.synchronize()
                 runs[m].append(1e3 * (time.perf_counter() - t0) / (eng.num_steps - s0))
         med = {m: statistics.median(v) for m, v in runs.items()}
         ratios = {
-            f"{m}/{m}-eager-sampler": median_interval(
-                [a / e for a, e in zip(runs[m], runs[f"{m}-eager-sampler"])]
-            )
-            for m in ("off", "golden", "eagle3")
+            f"{m}/{twin(m, f)}": median_interval([a / e for a, e in zip(runs[m], runs[twin(m, f)])])
+            for m in modes
+            for f in switches
         }
         report["ms"][f"batch{b}"] = {"runs": runs, "median": med, "ratios": ratios}
         print(f"batch {b}: " + ", ".join(f"{m} {v:.2f} ms" for m, v in med.items()), flush=True)

@@ -55,3 +55,66 @@ def test_one_row_bf16_on_cpu_never_imports_triton() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rows_switch", [True, False])
+def test_the_gemv_serves_up_to_max_rows(rows_switch, monkeypatch) -> None:
+    """Where PDL runs, 1 to MAX_ROWS rows take the GEMV (one weight read for a verify step's
+    rows); more rows, or more than one with $SPECSERVE_GEMV_ROWS=0, take F.linear."""
+    from specserve import env
+
+    monkeypatch.setattr(gemv, "pdl_enabled", lambda x: True)  # the dispatch alone, no GPU
+    w = torch.zeros(16, 8, dtype=torch.bfloat16)
+    with env.override(gemv_rows=rows_switch):
+        for rows in range(1, gemv.MAX_ROWS + 2):
+            x = torch.zeros(rows, 8, dtype=torch.bfloat16)
+            want = rows == 1 or (rows <= gemv.MAX_ROWS and rows_switch)
+            assert gemv.gemv_eligible(x, w, None) == want, rows
+            assert gemv.glu_eligible(x, w) == want, rows
+
+
+_INTERPRETED = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it: the kernel runs on the CPU
+import torch
+import torch.nn.functional as F
+from specserve import env
+from specserve.ops import gemv, triton_gemv
+
+def launch(x, w, paired, whole):
+    with env.override(gemv_whole_k=whole):
+        plan = gemv.GemvPlan(w.shape[0] // (1 + paired), w.shape[1], x.device, paired)
+    out = torch.empty(x.shape[0], plan.n)
+    triton_gemv._gemv_kernel[plan.grid](
+        x, w, out, plan.part, plan.count, x.shape[0], N=plan.n, NQ=plan.rows, K=plan.k,
+        MP=gemv._pow2(x.shape[0]), BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K,
+        SPLIT_K=plan.split_k, K_PER=plan.k_per, MODE=int(paired), WHOLE_K=plan.whole_k, GDC=False)
+    assert int(plan.count.sum()) == 0  # the split-K counters are back at zero
+    return out, plan
+
+gen = torch.Generator().manual_seed(0)
+for n, k, whole in ((100, 300, True), (100, 300, False), (26, 1100, False)):
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    x = torch.randn(5, k, generator=gen)
+    out, plan = launch(x, w, False, whole)
+    assert (plan.whole_k > 0) == whole and (plan.split_k > 1) == (not whole)
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([launch(x[m : m + 1], w, False, whole)[0] for m in range(5)])
+    assert torch.equal(out, alone), "a row's sums depend on the other rows"
+    glu, _ = launch(x, w, True, whole)
+    full = F.linear(x, w)
+    torch.testing.assert_close(glu, F.silu(full[:, : n // 2]) * full[:, n // 2 :], atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_the_gemv_kernel_interpreted_on_the_cpu() -> None:
+    """The kernel itself (not just its dispatch) in Triton's interpreter: several rows against
+    F.linear, each row's output the one-row launch's bit for bit, the GLU epilogue, whole and
+    split K (the GPU suite checks it compiled, in bf16, under PDL)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
