@@ -14,7 +14,7 @@ decode() {
   $S bench throughput --num-prompts 64 --max-tokens 128 --ignore-eos --baseline hf --dtype float32 --device cpu --json "$OUT/throughput_sharegpt64.json" --plot "$OUT/throughput_sharegpt64.png"
 }
 sweep() {
-  $S bench spec-sweep --method ngram --k 4 --dataset humaneval --concurrency 1,4,16,64 --requests-per-slot 1 --min-requests 8 --max-tokens 96 --dtype float32 --device cpu --repeats 7 --interleave --json "$OUT/spec_sweep_humaneval.json" --plot "$OUT/spec_sweep_humaneval.png"
+  $S bench spec-sweep --method ngram --k 4 --dataset humaneval --concurrency 1,4,16,64 --requests-per-slot 2 --min-requests 8 --max-tokens 96 --dtype float32 --device cpu --repeats 5 --interleave --json "$OUT/spec_sweep_humaneval.json" --plot "$OUT/spec_sweep_humaneval.png"
 }
 # speculation on held-out chat prompts at batch 1: n-gram and the shipped EAGLE-3 head
 chat() {
