@@ -1,4 +1,4 @@
-"""The decoder's linear layers: cuBLAS, or at 1 to MAX_ROWS rows on a PDL-capable GPU a Triton GEMV.
+"""The decoder's linear layers: cuBLAS, or at one row on a PDL-capable GPU a Triton GEMV.
 
 Why: a batch-1 decode step is 32 layers x four weight reads, and at one row cuBLAS runs the
 smaller ones (qkv, o_proj, down) at 2.6-3.7 TB/s against a 4.0 TB/s copy: each kernel ramps up
@@ -7,14 +7,7 @@ and drains alone. The GEMV loads its first weight tile before it waits for the p
 the H200 over a one-row chain of 32 distinct layers in a CUDA graph: 123.0 us per layer with
 cuBLAS, 122.0 with the GEMV alone, 115.0 with the GEMV under PDL. Without PDL it is no faster
 than cuBLAS, so it runs only where PDL does (`specserve.ops.pdl`); elsewhere, and for more than
-MAX_ROWS rows, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns it off.
-
-Up to MAX_ROWS rows (a batch-1 verify step of k + 1 rows, small-batch decode) share one launch:
-each program reads its weight slice once and sums it against every row, so the step reads the
-weights once, as a one-row step does, where cuBLAS runs these shapes as a GEMM whose row tile
-is mostly padding. A row's sum is the one-row GEMV's, in the same order: a token's logits do not
-depend on how many rows its step verifies. `env.settings.gemv_rows` ($SPECSERVE_GEMV_ROWS=0)
-keeps more than one row on cuBLAS.
+one row, F.linear runs unchanged. `env.settings.gemv` ($SPECSERVE_GEMV=0) turns it off.
 
 K <= WHOLE_K_MAX (every projection of a 135M-class model; all but down_proj of an 8B) is not
 split: each program loads its whole weight slice before the wait, so after the previous kernel
@@ -23,8 +16,8 @@ counter round trip and a reload of partial sums) wait on it. Larger K keeps the 
 would not fit in registers). `env.settings.gemv_whole_k` ($SPECSERVE_GEMV_WHOLE_K=0) splits
 every K.
 
-The MLP's gate_up projection at up to MAX_ROWS rows runs as one GLU GEMV (`gemv_glu`): silu(gate)
-* up in the GEMV's epilogue, so the [M, 2I] projection is never written and silu-and-mul is not a kernel
+The MLP's gate_up projection at one row runs as one GLU GEMV (`gemv_glu`): silu(gate) * up in
+the GEMV's epilogue, so the [1, 2I] projection is never written and silu-and-mul is not a kernel
 of its own; the result equals the GEMV followed by the fused silu-and-mul, bit for bit.
 One kernel a layer fewer: a 135M decode step is ~300 kernels of a few microseconds, bound by
 their count. `env.settings.gemv_epilogues` ($SPECSERVE_GEMV_EPILOGUES=0) keeps them separate.
@@ -53,9 +46,6 @@ MAX_SPLIT_K = 4
 # Up to this K a program reads its whole weight slice at once, before the wait (WHOLE_K): a
 # BLOCK_N x 4096 bf16 slice is 64 values a thread in 16 warps, registers without spills.
 WHOLE_K_MAX = 4096
-# The most rows one launch serves: the graph buckets up to 8 rows (1, 2, 4, 8) hold batch-1
-# verification of up to k = 7 drafts; the rows are summed on CUDA cores, one after another.
-MAX_ROWS = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,7 +89,7 @@ class GemvPlan:
         # whole BLOCK_K tiles (WHOLE_K: the one power-of-two tile)
         self.k_per = whole or _cdiv(_cdiv(k, split), BLOCK_K) * BLOCK_K
         self.grid = (blocks, split)
-        self.part = torch.empty(split, MAX_ROWS, rows, device=device, dtype=torch.float32)
+        self.part = torch.empty(split, rows, device=device, dtype=torch.float32)
         self.count = torch.zeros(blocks, device=device, dtype=torch.int32)
 
 
@@ -117,7 +107,7 @@ def _plan(n: int, k: int, device: torch.device, paired: bool = False) -> GemvPla
 def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         x.dim() == 2
-        and (x.shape[0] == 1 or (1 < x.shape[0] <= MAX_ROWS and env.settings.gemv_rows))
+        and x.shape[0] == 1
         and bias is None
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
@@ -130,28 +120,26 @@ def gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, plan: GemvPlan, mode: int) -> torch.Tensor:
-    m = x.shape[0]
-    out = torch.empty(m, plan.n, device=x.device, dtype=x.dtype)
+    out = torch.empty(1, plan.n, device=x.device, dtype=x.dtype)
     _kernels()._gemv_kernel[plan.grid](
-        x, weight, out, plan.part, plan.count, m,
-        N=plan.n, NQ=plan.rows, K=plan.k, MP=_pow2(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        SPLIT_K=plan.split_k, K_PER=plan.k_per, MODE=mode, WHOLE_K=plan.whole_k, GDC=True,
-        launch_pdl=True, num_warps=plan.warps, num_stages=3,
+        x, weight, out, plan.part, plan.count,
+        N=plan.n, NQ=plan.rows, K=plan.k, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=plan.split_k,
+        K_PER=plan.k_per, MODE=mode, WHOLE_K=plan.whole_k, GDC=True, launch_pdl=True,
+        num_warps=plan.warps, num_stages=3,
     )  # fmt: skip
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [1, K] x [N, K] -> [1, N]
     n, k = weight.shape
-    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k, (x.shape, k)
+    assert x.shape == (1, k), (x.shape, weight.shape)
     return _launch(x, weight, _plan(n, k, x.device), int(_kernels().PLAIN.value))
 
 
-def gemv_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [2I, K] -> [M, I]
+def gemv_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [1, K] x [2I, K] -> [1, I]
     """silu(x W_gate^T) * (x W_up^T) for weight = [W_gate; W_up], in one launch."""
     two_i, k = weight.shape
-    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k, (x.shape, k)
-    assert two_i % 2 == 0, weight.shape
+    assert x.shape == (1, k) and two_i % 2 == 0, (x.shape, weight.shape)
     plan = _plan(two_i // 2, k, x.device, paired=True)
     return _launch(x, weight, plan, int(_kernels().GLU.value))
 
