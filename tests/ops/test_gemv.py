@@ -1,6 +1,7 @@
 """The linear dispatch (specserve.ops.gemv, ops.pdl) off the GPU: F.linear exactly, no triton.
 
-The GEMV kernel itself is checked on the device (tests/gpu/test_triton_gemv.py)."""
+The GEMV kernel itself runs here in Triton's interpreter; compiled, on the device
+(tests/gpu/test_triton_gemv.py)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,50 @@ def test_one_row_bf16_on_cpu_never_imports_triton() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+_INTERPRETED = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it: the kernel runs on the CPU
+import torch
+import torch.nn.functional as F
+from specserve import env
+from specserve.ops import gemv, triton_gemv
+
+def launch(x, w, paired, whole):
+    with env.override(gemv_whole_k=whole):
+        plan = gemv.GemvPlan(w.shape[0] // (1 + paired), w.shape[1], x.device, paired)
+    out = torch.empty(1, plan.n)
+    triton_gemv._gemv_kernel[plan.grid](
+        x, w, out, plan.part, plan.count, N=plan.n, NQ=plan.rows, K=plan.k,
+        BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, SPLIT_K=plan.split_k, K_PER=plan.k_per,
+        MODE=int(paired), WHOLE_K=plan.whole_k, GDC=False)
+    assert int(plan.count.sum()) == 0  # the split-K counters are back at zero
+    return out, plan
+
+gen = torch.Generator().manual_seed(0)
+for n, k, whole in ((100, 300, True), (100, 300, False), (26, 1100, False)):
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    x = torch.randn(1, k, generator=gen)
+    out, plan = launch(x, w, False, whole)
+    assert (plan.whole_k > 0) == whole and (plan.split_k > 1) == (not whole)
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert torch.equal(launch(x, w, False, whole)[0], out)  # the same sums again
+    glu, _ = launch(x, w, True, whole)
+    full = F.linear(x, w)
+    want = F.silu(full[:, : n // 2]) * full[:, n // 2 :]
+    torch.testing.assert_close(glu, want, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_the_gemv_kernel_interpreted_on_the_cpu() -> None:
+    """The kernel itself (not just its dispatch) in Triton's interpreter: against F.linear,
+    whole and split K, the GLU epilogue, counters back at zero (the GPU suite checks it
+    compiled, in bf16, under PDL)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
