@@ -1,4 +1,5 @@
-"""The linear dispatch (specserve.ops.gemv, ops.pdl) off the GPU: F.linear exactly, triton not imported.
+"""The linear dispatch (specserve.ops.gemv, ops.pdl) off the GPU: F.linear exactly, no triton
+import.
 
 The GEMV kernel itself runs here in Triton's interpreter; compiled, on the device
 (tests/gpu/test_triton_gemv.py)."""
