@@ -13,6 +13,7 @@ restores the previous values on exit:
 | SPECSERVE_TOKENIZER | (none) | tokenizer directory for `dummy:` models (else the default model's) |
 | SPECSERVE_API_KEY | (none) | `specserve serve`'s default `--api-key` |
 | SPECSERVE_GEMV | 1 | one-row Triton GEMV for the decoder linears on CUDA (0: cuBLAS) |
+| SPECSERVE_GEMV_ROWS | 1 | 2 to 16 rows (batch-1 verify steps, small-batch decode) take the Triton rows kernel, one weight read under PDL (0: cuBLAS past one row; ops/gemv.py) |
 | SPECSERVE_GEMV_WHOLE_K | 1 | a one-row GEMV over K <= 4096 reads its whole weight slice before waiting on the previous kernel, unsplit (ops/gemv.py) |
 | SPECSERVE_GEMV_EPILOGUES | 1 | with the GEMV and the fused ops, a one-row gate_up projection also runs silu-and-mul in its epilogue (ops/gemv.py) |
 | SPECSERVE_FUSED_OPS | 1 | fused add+RMSNorm, rotary + KV write, silu-and-mul: Triton on CUDA, compiled C++ on the CPU (ops/cpu_fused.py, with the greedy argmax) |
@@ -58,6 +59,7 @@ class Settings:
     api_key: str | None
     gemv: bool
     gemv_epilogues: bool
+    gemv_rows: bool
     gemv_whole_k: bool
     fused_ops: bool
     pdl: bool
@@ -82,6 +84,7 @@ class Settings:
             api_key=environ.get("SPECSERVE_API_KEY") or None,
             gemv=_flag(environ, "SPECSERVE_GEMV"),
             gemv_epilogues=_flag(environ, "SPECSERVE_GEMV_EPILOGUES"),
+            gemv_rows=_flag(environ, "SPECSERVE_GEMV_ROWS"),
             gemv_whole_k=_flag(environ, "SPECSERVE_GEMV_WHOLE_K"),
             fused_ops=_flag(environ, "SPECSERVE_FUSED_OPS"),
             pdl=_flag(environ, "SPECSERVE_PDL"),

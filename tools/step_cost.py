@@ -11,11 +11,11 @@ sampled and drafted in the graph's tail); eagle3 (the head's catch-up and k - 1 
 top, its inputs written in the tail, its chain's graph behind it). Each mode has a twin per
 --off SWITCH, built with that `env.settings` switch off: by default graph_tail, the twin
 "MODE-eager-sampler" (the sampling after the forward graph runs eagerly, runner/graph_tail.py);
-any other switch gives "MODE SWITCH=0" (e.g. --off pdl: no programmatic dependent launch). Engines
+any other switch gives "MODE SWITCH=0" (e.g. --off gemv_rows: verify rows on cuBLAS). Engines
 are built once and the repeats interleave them; `ratios` pairs each mode with each twin within
 each repeat (median and 90 % bootstrap interval).
 
-    python tools/step_cost.py --model dummy:llama-3.1-8b --modes off,golden --off pdl
+    python tools/step_cost.py --model dummy:llama-3.1-8b --modes off,golden --off gemv_rows
 """
 
 from __future__ import annotations

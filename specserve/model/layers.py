@@ -1,9 +1,9 @@
 """Building blocks shared by the Llama family: linear, RMSNorm, rotary embedding, gated SiLU MLP.
 
 The elementwise work goes through `specserve.ops.fused`: Triton kernels on CUDA, the plain torch
-ops on CPU (unchanged numerics there). Linear layers go through `specserve.ops.gemv` (a Triton
-GEMV for one row on Hopper, F.linear everywhere else; at one row the MLP's gate_up projection and
-silu-and-mul are one GLU GEMV).
+ops on CPU (unchanged numerics there). Linear layers go through `specserve.ops.gemv` (on Hopper
+a Triton GEMV for one row and a rows kernel up to 16, F.linear everywhere else; there the MLP's
+gate_up projection and silu-and-mul are one launch).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specserve.ops.gemv import gemv_glu, glu_eligible, linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) whose one-row calls may run the GEMV."""
+    """nn.Linear (same parameters and state dict) whose few-row calls may run the GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return linear(x, self.weight, self.bias)
@@ -126,5 +126,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj
         if type(gate_up) is Linear and glu_eligible(x, gate_up.weight):
-            return self.down_proj(gemv_glu(x, gate_up.weight))  # one row: one kernel to [1, I]
+            return self.down_proj(gemv_glu(x, gate_up.weight))  # one kernel to [T, I]
         return self.down_proj(silu_and_mul(gate_up(x)))  # via [T, 2I] -> [T, I]

@@ -59,6 +59,22 @@ def test_one_row_bf16_on_cpu_never_imports_triton() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("rows_switch", [True, False])
+def test_the_gemv_serves_up_to_max_rows(rows_switch, monkeypatch) -> None:
+    """Where PDL runs, 1 to MAX_ROWS rows take Triton (one weight read for a verify step's
+    rows); more rows, or more than one with $SPECSERVE_GEMV_ROWS=0, take F.linear."""
+    from specserve import env
+
+    monkeypatch.setattr(gemv, "pdl_enabled", lambda x: True)  # the dispatch alone, no GPU
+    w = torch.zeros(16, 8, dtype=torch.bfloat16)
+    with env.override(gemv_rows=rows_switch):
+        for rows in range(1, gemv.MAX_ROWS + 2):
+            x = torch.zeros(rows, 8, dtype=torch.bfloat16)
+            want = rows == 1 or (rows <= gemv.MAX_ROWS and rows_switch)
+            assert gemv.gemv_eligible(x, w, None) == want, rows
+            assert gemv.glu_eligible(x, w) == want, rows
+
+
 _INTERPRETED = """
 import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it: the kernel runs on the CPU
@@ -90,13 +106,37 @@ for n, k, whole in ((100, 300, True), (100, 300, False), (26, 1100, False)):
     full = F.linear(x, w)
     want = F.silu(full[:, : n // 2]) * full[:, n // 2 :]
     torch.testing.assert_close(glu, want, atol=1e-5, rtol=1e-5)
+
+def launch_rows(x, w, paired):
+    plan = gemv.RowsPlan(w.shape[0] // (1 + paired), w.shape[1], x.device, paired)
+    out = torch.empty(x.shape[0], plan.n)
+    triton_gemv._rows_kernel[plan.grid](
+        x, w, out, plan.part, plan.count, x.shape[0], N=plan.n, NQ=plan.rows, K=plan.k,
+        ROWS=gemv.TILE_ROWS, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
+        K_PER=plan.k_per, MODE=int(paired), GDC=False)
+    assert int(plan.count.sum()) == 0
+    return out, plan
+
+for n, k in ((100, 300), (26, 1100)):
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    x = torch.randn(5, k, generator=gen)
+    out, plan = launch_rows(x, w, False)
+    assert plan.split_k > 1 and plan.grid[0] * plan.block_n >= n
+    torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-5)
+    for m in (1, 2, 4):  # fewer rows: the same results for those rows
+        assert torch.equal(launch_rows(x[:m], w, False)[0], out[:m]), m
+    glu, _ = launch_rows(x, w, True)
+    full = F.linear(x, w)
+    want = F.silu(full[:, : n // 2]) * full[:, n // 2 :]
+    torch.testing.assert_close(glu, want, atol=1e-5, rtol=1e-5)
 print("ok")
 """
 
 
 def test_the_gemv_kernel_interpreted_on_the_cpu() -> None:
-    """The kernel itself (not just its dispatch) in Triton's interpreter: against F.linear,
-    whole and split K, the GLU epilogue, counters back at zero (the GPU suite checks it
+    """The kernels themselves (not just their dispatch) in Triton's interpreter: the one-row
+    GEMV and the rows kernel against F.linear, whole and split K, the GLU epilogue, counters
+    back at zero, a row's result independent of the row count (the GPU suite checks them
     compiled, in bf16, under PDL)."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
