@@ -131,9 +131,11 @@ class RowsPlan:
 _plans: dict[tuple, GemvPlan | RowsPlan] = {}
 
 
-def _plan(n: int, k: int, device: torch.device, paired: bool = False, m: int = 1):
+def _plan(
+    n: int, k: int, device: torch.device, paired: bool = False, m: int = 1
+) -> GemvPlan | RowsPlan:
     """The plan of one weight shape: the GEMV's for one row, the rows kernel's for more."""
-    key = (n, k, device, paired, m > 1, env.settings.gemv_whole_k, tuple(ROWS.values()))
+    key = (n, k, device, paired, m > 1, env.settings.gemv_whole_k)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = (GemvPlan if m == 1 else RowsPlan)(n, k, device, paired)
@@ -165,8 +167,7 @@ def _launch(
             x, weight, out, plan.part, plan.count, m,
             N=plan.n, NQ=plan.rows, K=plan.k, ROWS=TILE_ROWS, BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k, SPLIT_K=plan.split_k, K_PER=plan.k_per, MODE=mode, GDC=True,
-            launch_pdl=True,
-            num_warps=plan.warps, num_stages=plan.stages,
+            launch_pdl=True, num_warps=plan.warps, num_stages=plan.stages,
         )  # fmt: skip
         return out
     _kernels()._gemv_kernel[plan.grid](
