@@ -1,14 +1,9 @@
 """Online acceptance estimates for drafters without confidences of their own (n-gram), and the
-calibration of the confidences a model drafter's drafts are planned with.
+calibration of a model drafter's planned confidences.
 
-The confidence of draft j is the conditional rate P(draft j accepted | drafts < j accepted): the
-verify budget multiplies them into survivals. Estimates are kept per kind of draft, a class the
-drafter gives its drafts when it makes them (n-gram: the length of the match that proposed them;
-a match of prompt_lookup_max tokens verifies about 0.8 a draft where one of 2 verifies about
-0.3, on chat and code alike), so a draft is priced by what drafts like it did. Per kind,
-engine-wide counts per position, with PRIOR_WEIGHT pseudo-verifications at PRIOR_RATE; a
-request's own counts, with PRIOR_WEIGHT pseudo-verifications at the engine-wide rate of that
-kind (a new request starts at the engine's rate and moves to its own).
+The confidence of draft j is P(draft j accepted | drafts < j accepted). Counts per position are
+kept per kind of draft (n-gram: the matched length), engine-wide with PRIOR_WEIGHT
+pseudo-verifications at PRIOR_RATE, and per request shrunk towards the engine-wide rate.
 """
 
 from __future__ import annotations
@@ -71,13 +66,9 @@ class AcceptanceEstimator:
 
 
 class PlanCalibration:
-    """Per position j, observed acceptance over what the plan expected: a model drafter's next
-    drafts are planned with the confidences of its previous ones, which are about other tokens
-    and were chosen because they were high, so they overstate what verifies. Over the drafts
-    verified at position j (reached: the drafts before it accepted), factor_j = accepted /
-    sum of the planned confidences, with PRIOR_WEIGHT pseudo-verifications at factor 1; the
-    plan then uses min(1, factor_j * c_j). Learned from every verified draft, so a wrong
-    factor is corrected by the steps it plans."""
+    """A model drafter plans with its previous drafts' confidences, which overstate what
+    verifies: per position j, factor_j = accepted / planned over the drafts that reached j
+    (PRIOR_WEIGHT pseudo-verifications at 1); the plan uses min(1, factor_j * c_j)."""
 
     def __init__(self) -> None:
         self.expected: list[float] = []

@@ -1,17 +1,9 @@
 """The step-cost curve: seconds of one decode/verify step against its total rows (total_q).
 
-A start-up sweep prices every graph bucket (one synthetic step each, cached per machine and model
-under $SPECSERVE_CACHE/step-cost); a bucket that has run SWEEP_REPS real steps is priced at the
-median of its last WINDOW (its first real step, a warm-up that may compile kernels, left out: one
-stalled step never sets a price), each divided by the machine's speed when it ran (the median
-ratio of recent real steps to their priced buckets), so prices measured minutes apart on a
-shared machine stay comparable (the choice depends on their ratios only); a monotone envelope
-then makes an unmeasured bucket cost at least every measured smaller one and no bucket more
-than a larger one (a step can be padded up). A model drafter drafting on the device prices its
-steps on a twin curve (`twin`): the same buckets and machine speed, its own real steps.
-Optimistic on purpose: a price too low is chosen, run and corrected by the real steps. Between
-buckets: a step function where steps run padded (CUDA graphs), linear on the CPU; past the
-largest bucket, proportional to rows. docs/verify_budget.md has the why.
+Per graph bucket: a start-up sweep's price (cached per machine and model under
+$SPECSERVE_CACHE/step-cost), then the median of its last WINDOW real steps, each divided by the
+machine's speed when it ran; a monotone envelope over the buckets. Optimistic on purpose: a price
+too low is chosen, run and corrected. docs/verify_budget.md has the why.
 """
 
 from __future__ import annotations
@@ -38,10 +30,9 @@ SWEEP_CONTEXT = 128  # context tokens per synthetic request
 
 
 class MachineSpeed:
-    """The machine's speed now, as seconds over the price, on steps of priced buckets: real
-    steps are kept divided by it, so a bucket measured while the machine was slow keeps its
-    price relative to the others once it is fast again (it may not be run again). Shared by
-    twin curves, so their prices stay in one unit."""
+    """Seconds over price on recent steps of priced buckets: real steps are kept divided by it,
+    so a bucket measured in a slow minute keeps its price relative to the others. Shared by
+    twin curves."""
 
     def __init__(self) -> None:
         self._ratios: deque[float] = deque(maxlen=WINDOW)
@@ -76,9 +67,7 @@ class StepCostCurve:
         return self._speed.value
 
     def twin(self) -> StepCostCurve:
-        """A curve of the same buckets and machine speed, priced at this one's start-up sweep
-        until its own real steps price it (optimistic: a dearer kind of step is chosen, run and
-        corrected)."""
+        """Same buckets, start-up prices and machine speed; its own real steps."""
         return StepCostCurve(self.buckets.tolist(), self.startup.tolist(), self.padded, self._speed)
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -110,9 +99,8 @@ class StepCostCurve:
         """[buckets] the monotone per-bucket prices."""
         if self._env is None:
             seen = np.array([self._priced(i) for i in range(len(self._real))])
-            # an unmeasured bucket costs at least every measured smaller one: otherwise one
-            # that is never reached (past what the drafts can fill) would keep every bucket
-            # below it at its start-up price, however dear real steps found them
+            # an unmeasured bucket costs at least every measured smaller one: one never
+            # reached would otherwise cap every bucket below it at its start-up price
             floor = np.maximum.accumulate(np.where(seen, self._value, 0.0))
             v = np.where(seen, self._value, np.maximum(self._value, floor))
             self._env = np.minimum.accumulate(v[::-1])[::-1].copy()
@@ -166,20 +154,15 @@ def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Pat
     key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep3"
     key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
     key += f"|fused={env.settings.fused_ops}|layer={env.settings.cpu_layer}"
-    # how the head's (and so every packed layer's) weights are read: panels, integer blocks
     head = getattr(eng.target_model, "lm_head", None)
     key += f"|head={head.extra_repr() if head is not None else ''}|amx={env.settings.cpu_amx}"
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 
 def _synthetic_step(engine: LLMEngine, rows: int) -> float:
-    """Seconds of one forward + logits of `rows` decode/verify rows laid out as the cheapest
-    verify step of that many rows: the fewest requests (1 + k rows each), each over
-    SWEEP_CONTEXT tokens in KV blocks of its own (so reads cost what real ones do, not one
-    cached block). Optimistic like the rest of the curve: a request costs attention over its
-    whole context, so more requests per row only cost more, which real steps then show; one
-    request per row would price a CPU step of 40 rows at 16 requests like one of 40 requests,
-    too high to ever be chosen and corrected."""
+    """Seconds of one forward + logits of `rows` rows laid out as the cheapest verify step of
+    that many (the fewest requests, 1 + k rows each, SWEEP_CONTEXT tokens in KV blocks of their
+    own): optimistic, as real steps with more requests only cost more."""
     eng = engine
     n_req = max(1, min(-(-rows // (1 + eng.slot_pool.k)), eng.config.max_num_seqs))
     per = [rows // n_req + (1 if i < rows % n_req else 0) for i in range(n_req)]

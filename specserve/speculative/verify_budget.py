@@ -1,28 +1,10 @@
 """The verify budget: how many draft rows the next step verifies, and which ones.
 
-Survival a[i][j] = prod_{m <= j} c[i][m] (confidences clamped to [0, 1]) estimates the chance
-that draft j of request i is accepted. A step of base_rows rows (one per decode request) plus M
-draft rows yields n + (the survivals of its draft rows) tokens in expectation and costs
-step_time(base_rows + M) (step_cost.StepCostCurve); the chooser keeps the M with the best rate
-of tokens per second, its rows the M largest survivals (a prefix per request: survival never
-grows along a request's drafts; ties to the earlier position, then request). Zero survival is
-never verified; M = 0 is a plain step, costing what a plain step costs. Monotone: scaling every
-survival up never lowers the chosen M under a non-decreasing curve.
-
-A model drafter drafting on the device (EAGLE-3 head, draft model) runs its chain in the step
-that drafts, whatever the next step verifies, so drafting itself is a choice: `plan` compares
-what drafting realized in recent steps (tokens per request over a drafting step's price on its
-own curve, at the rows it took) with plain decoding, n / step_time(n); a step that does not
-draft is a plain step and its drafter catches up when drafting resumes. Exploration measures
-the yield afresh after a run of plain steps that doubles while drafting keeps losing
-(EXPLORE_EVERY to EXPLORE_EVERY ** 2).
-
-survivals(confidences) -> [n, k]; choose(...) -> BudgetChoice; split_rows(surv, total): the same
-split by tensor ops with no host sync (for a device split inside a CUDA graph; not used by the
-engine yet). VerifyBudget: the engine's chooser against its curve (allot: the drafts each
-request verifies, with exploration and metrics; plan: allot and the drafting choice;
-observe_step: a real step refines its curve). docs/verify_budget.md explains where the
-confidences come from under overlap and why.
+Survival a[i][j] = prod_{m <= j} c[i][m] estimates that draft j of request i is accepted. A step
+of base_rows rows plus M draft rows yields n + (their survivals) tokens in expectation and costs
+step_time(base_rows + M); `choose` keeps the M of the best rate, its rows the M largest
+survivals (a prefix per request). M = 0 is a plain step. A model drafter drafting on the device
+also chooses whether to draft at all (`VerifyBudget.plan`). docs/verify_budget.md has the why.
 """
 
 from __future__ import annotations
@@ -41,11 +23,8 @@ from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, s
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
-# every EXPLORE_EVERY-th allot verifies all drafts of one request (in turns) whatever the choice:
-# confidences are learned only from drafts that are made and verified (a model drafter's from
-# its drafts, n-gram's from outcomes), and the curve only from steps that run, so a pessimistic
-# start would otherwise never be corrected. One request's k rows: a small share of any step
-# with more than a few requests.
+# every EXPLORE_EVERY-th allot verifies all drafts of one request: confidences and the curve
+# learn only from rows that run, so a pessimistic start would otherwise never be corrected
 EXPLORE_EVERY = 16
 
 
@@ -81,9 +60,8 @@ def choose(
     max_rows: int,
     room: np.ndarray | Sequence[int] | None = None,
 ) -> BudgetChoice:
-    """The M maximising (n + sum of the M largest survivals) / step_times(base_rows + M).
-    surv [n, k]: survivals of the drafts each request could verify (0: no draft there).
-    max_rows: the step's row limit; room[i]: the most drafts request i may verify."""
+    """The M maximising (n + sum of the M largest survivals [n, k]) / step_times(base_rows + M),
+    within the step's max_rows and each request's room (its most drafts)."""
     surv = np.asarray(surv, dtype=np.float64)
     n, k = surv.shape
     surv = _in_room(surv, room)
@@ -99,9 +77,8 @@ def choose(
 
 
 def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
-    """[n] int64: request i's draft rows when `total` rows are taken in the global order of
-    survivals [n, k] (largest first, ties to the earlier position, then the earlier request),
-    zero survivals never taken. A prefix per request; equals choose()'s split for its total."""
+    """[n] int64: choose()'s split of `total` draft rows by tensor ops, with no host sync (for a
+    device split inside a CUDA graph)."""
     n, k = surv.shape
     flat = surv.t().reshape(-1)  # [k * n] position-major
     order = torch.sort(-flat, stable=True).indices
@@ -116,8 +93,7 @@ class VerifyBudget:
         self, curve: StepCostCurve, max_rows: int, drafting: StepCostCurve | None = None
     ) -> None:
         self.curve, self.max_rows = curve, max_rows
-        # steps whose model drafter drafts (curve: the steps that do not); None: drafting is
-        # not a choice (host drafters plan before they draft; golden and n-gram always draft)
+        # steps whose model drafter drafts; None: drafting is not a choice
         self.drafting = drafting
         self.num_drafting_steps = 0  # plans that drafted
         self.num_plain_steps = 0  # plans that did not
@@ -164,9 +140,8 @@ class VerifyBudget:
         self._yield.append((requests, tokens, rows))
 
     def drafting_pays(self, n: int) -> bool:
-        """Does steady drafting beat plain decoding for n requests, by what drafting yielded
-        per request in the recent steps that verified drafts (tokens, rows) and the two curves?
-        Unmeasured: yes (optimistic, as the curves: it is tried, then measured)."""
+        """Does steady drafting beat plain decoding for n requests, by its recent yield per
+        request (tokens, rows) on the two curves? Unmeasured: yes (tried, then measured)."""
         if not self._yield:
             return True
         reqs, tokens, rows = (sum(col) for col in zip(*self._yield))
@@ -181,15 +156,11 @@ class VerifyBudget:
         has_drafts: np.ndarray,
         may_draft: bool,
     ) -> StepPlan:
-        """A model drafter's step (self.drafting set): whether it drafts (drafting_pays: the
-        drafter's realized yield over recent steps, not one step's confidences, which swing
-        from token to token while a switch costs a catch-up), and the drafts each request
-        verifies, of those it has (has_drafts [n] bool), chosen by their survivals [n, k]
-        against the curve of the step's kind. A step that does not draft is a plain step by
-        construction. may_draft: no request would catch up behind drafts still in flight.
-        Exploration: after EXPLORE_EVERY * backoff plain plans the yield is measured afresh
-        (drafting until SWEEP_REPS steps have verified drafts); backoff doubles each time, up
-        to EXPLORE_EVERY, and is 1 again once drafting pays."""
+        """A model drafter's step: whether it drafts (drafting_pays, or exploring: after
+        EXPLORE_EVERY * backoff plain plans, drafting until SWEEP_REPS steps verified drafts;
+        backoff doubles while drafting loses) and the drafts each request verifies of those it
+        has (has_drafts [n]) on the curve of the step's kind. may_draft: no request would catch
+        up behind drafts still in flight."""
         assert self.drafting is not None
         if self._exploring and len(self._yield) >= SWEEP_REPS:
             self._exploring = False
@@ -217,10 +188,8 @@ class VerifyBudget:
         room: Sequence[int] | None = None,
         curve: StepCostCurve | None = None,
     ) -> list[int]:
-        """The drafts each request verifies: choose() against the curve, every EXPLORE_EVERY-th
-        call one request's drafts all verified, the metrics kept. The step is priced as the
-        decode step of these requests: prompt chunks beside it are work the run does anyway,
-        so a draft row costs the run one row either way."""
+        """The drafts each request verifies: choose() against the curve (the step priced as
+        these requests' decode step: prompt chunks beside it run anyway), exploration, metrics."""
         surv = _in_room(surv, room)
         keep = self.choose(surv, base_rows, curve=curve).num_verify.tolist()
         self._calls += 1
@@ -234,8 +203,7 @@ class VerifyBudget:
         return keep
 
     def _explore(self, surv: np.ndarray, keep: list[int], base_rows: int) -> None:
-        """All drafts with nonzero survival of the next request in turn that has more, if they
-        fit the step."""
+        """All drafts of the next request in turn that has more, if they fit the step."""
         n, room = len(keep), self.max_rows - base_rows - sum(keep)
         for t in range(n):
             i = (self._explore_from + t) % n
