@@ -147,7 +147,9 @@ class LLMEngine:
     def _step(self) -> list[TokenOutput]:
         outputs: list[TokenOutput] = []
         overlap = self._overlap_now()
-        if self._inflight is not None and not overlap:
+        # a step that is all requests' last if the drafts in flight are accepted waits for them
+        drain = overlap and self._inflight is not None and self.scheduler.all_may_end()
+        if self._inflight is not None and (drain or not overlap):
             # taken before processing: a step whose readback raised is not processed again
             inflight, self._inflight = self._inflight, None
             host = self._read_or_roll_back(inflight)

@@ -249,10 +249,22 @@ class Scheduler:
                 seq.num_pending_drafts = max(0, seq.num_pending_drafts - nd)
             seq.num_computed_tokens = start
 
-    def _ends_with_pending(self, seq: Sequence) -> bool:
+    def all_may_end(self) -> bool:
+        """Under overlap: no request waits, and every running one is decoding with drafts in
+        flight that take it to max_tokens or max_model_len if all are accepted. A step launched
+        ahead of their readback would then be discarded whole (at batch 1: every request's
+        last), so the engine reads the step in flight back first."""
+        return (
+            not self.waiting
+            and any(s.num_pending_drafts for s in self.running)
+            and all(s.num_pending and self._ends_with_pending(s, True) for s in self.running)
+        )
+
+    def _ends_with_pending(self, seq: Sequence, drafts: bool = False) -> bool:
         """Under overlap: the step in flight already takes the request to max_tokens or
-        max_model_len, so scheduling another row for it would only be discarded."""
-        n_tokens = seq.num_tokens + seq.num_pending
+        max_model_len (drafts: if its drafts in flight are all accepted), so scheduling another
+        row for it would only be discarded."""
+        n_tokens = seq.num_tokens + seq.num_pending + (seq.num_pending_drafts if drafts else 0)
         max_tokens = seq.params.max_tokens
         if max_tokens is not None and n_tokens - seq.num_prompt_tokens >= max_tokens:
             return True

@@ -176,6 +176,27 @@ def test_flush_at_drain_keeps_the_final_token_and_max_tokens_needs_no_extra_row(
     assert rows == 4 + 5
 
 
+def test_no_step_is_launched_that_the_drafts_in_flight_would_discard():
+    """Golden drafts all accepted (k = 4): a request makes 1 token in its prompt step, then 5 a
+    step, so 11 and 21 tokens take 2 and 4 decode steps. Once the drafts in flight may end
+    every request, the engine reads them back before launching another step (which they would
+    discard whole): 5 steps in all, where launching ahead took 6. Outputs equal off's."""
+    golden = {"method": "golden", "num_speculative_tokens": 4, "acceptance_rate": 1.0}
+    llm = make_llm(
+        max_num_seqs=4, overlap=True, speculative_config={**golden, "verify_budget": "off"}
+    )
+    prompts = prompts_of([7, 9], seed=5)
+    gold = prompts_of([21, 21], seed=6)
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, golden_token_ids=g)
+        for n, g in zip((11, 21), gold)
+    ]
+    before = llm.engine.num_steps
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.num_steps - before == 5 and llm.engine.num_sync_steps == 0
+    assert [o.outputs[0].token_ids for o in outs] == [g[:n] for n, g in zip((11, 21), gold)]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_flag_defaults(overlap):
     llm = _llm(overlap)
@@ -367,7 +388,11 @@ def test_a_step_left_in_flight_across_an_idle_pause_is_no_step_s_cost():
     import time
 
     gold = prompts_of([40], seed=5)[0]  # drafts the device may accept (or not) up to the end
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, golden_token_ids=gold)
+    # the stop token ends them where the host cannot foresee it (max_tokens it can: no step is
+    # launched that the drafts in flight would end)
+    sp = SamplingParams(
+        max_tokens=12, temperature=0.0, golden_token_ids=gold, stop_token_ids=[gold[8]]
+    )
     llm = make_llm(max_num_seqs=8, overlap=True, speculative_config=GOLDEN_DEVICE)
     eng = llm.engine
     seen = []
