@@ -254,10 +254,11 @@ class Scheduler:
         flight that take it to max_tokens or max_model_len if all are accepted. A step launched
         ahead of their readback would then be discarded whole (at batch 1: every request's
         last), so the engine reads the step in flight back first."""
+        # per step: the all() stops at the first request that goes on (most steps, any batch)
         return (
             not self.waiting
-            and any(s.num_pending_drafts for s in self.running)
             and all(s.num_pending and self._ends_with_pending(s, True) for s in self.running)
+            and any(s.num_pending_drafts for s in self.running)
         )
 
     def _ends_with_pending(self, seq: Sequence, drafts: bool = False) -> bool:
