@@ -39,6 +39,17 @@ test: install lint
 devcarry: install
 	$(PY) tools/devcarry.py $(if $(GPT_FAST),--gpt-fast $(GPT_FAST))
 	grep -qx '.devcarry' .git/info/exclude 2>/dev/null || echo .devcarry >> .git/info/exclude
+	# the wheels the device's Python 3.12 image lacks, carried as .whl (h200.sh installs them):
+	# gguf and xgrammar with theirs, and jsonschema with theirs for tests/gpu/test_overlap.py
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp $(foreach p,$(DEVICE_PLATFORMS),--platform $(p)) -d .whl \
+	  $(DEVICE_WHEELS)
+
+DEVICE_PLATFORMS := manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+  manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+DEVICE_WHEELS := gguf==0.19.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 \
+  pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 jsonschema==4.26.0 \
+  attrs==26.1.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Regenerates benchmarks/h200/ on one NVIDIA H200. Each part fits one 10-minute device command:
-#   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, ignored by git)
+#   here:       make devcarry          (tokenizer + ShareGPT pairs into .devcarry/, the wheels the image lacks into .whl/; ignored by git)
 #   on the GPU: bash benchmarks/h200.sh PART      with .devcarry carried; results land in $OUT
 #   the real default model: python tools/devcarry.py --gguf-parts, then `h200.sh gguf1` carrying
 #   .devcarry-gguf1 alone (a part and .devcarry outgrow one call), likewise gguf2 and gguf3, back
