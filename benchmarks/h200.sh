@@ -16,7 +16,7 @@ OUT=${OUT:-benchmarks/h200}
 S="python3 -m specserve.cli.main"
 B1="bench throughput --dataset random --input-len 128 --max-tokens 256 --ignore-eos --dtype bfloat16 --max-model-len 4096 --batch-1 --num-prompts 3 --max-num-seqs 8"
 # the sweeps' three 8B engines need ~84 GB: on an 80 GB H100, KV_GB=7.5 INPUT_LEN=96 (C = 256 still fits)
-SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len ${INPUT_LEN:-128} --max-tokens 128 --concurrency 1,4,16,64,256 --requests-per-slot 2 --min-requests 8 --repeats ${REPEATS:-9} --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb ${KV_GB:-12}"
+SWEEP="bench spec-sweep --model dummy:llama-3.1-8b --method golden --k 4 --dataset random --input-len ${INPUT_LEN:-128} --max-tokens 128 --concurrency ${CONC:-1,4,16,64,256} --requests-per-slot 2 --min-requests 8 --repeats ${REPEATS:-9} --interleave --dtype bfloat16 --max-model-len 1024 --kv-cache-gb ${KV_GB:-12}"
 # the wheels the image lacks (gguf, xgrammar, jsonschema for the GPU tests, and theirs), when .whl
 # was carried
 if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
