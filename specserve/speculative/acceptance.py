@@ -22,13 +22,16 @@ class PositionCounts:
     verified: list[float] = field(default_factory=list)  # times position j was reached
     accepted: list[float] = field(default_factory=list)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(
+        self, num_drafts: int, num_accepted: int, weights: Sequence[float] | None = None
+    ) -> None:
+        """weights: what reaching position j counts (PlanCalibration: its planned confidence)."""
         grow = num_drafts - len(self.verified)
         if grow > 0:
             self.verified.extend([0.0] * grow)
             self.accepted.extend([0.0] * grow)
         for j in range(min(num_drafts, num_accepted + 1)):  # reached: drafts < j accepted
-            self.verified[j] += 1.0
+            self.verified[j] += 1.0 if weights is None else float(weights[j])
         for j in range(num_accepted):
             self.accepted[j] += 1.0
 
@@ -65,29 +68,13 @@ class AcceptanceEstimator:
         self.per_request.pop(request_id, None)
 
 
-class PlanCalibration:
+class PlanCalibration(PositionCounts):
     """A model drafter plans with its previous drafts' confidences, which overstate what
-    verifies: per position j, factor_j = accepted / planned over the drafts that reached j
-    (PRIOR_WEIGHT pseudo-verifications at 1); the plan uses min(1, factor_j * c_j)."""
-
-    def __init__(self) -> None:
-        self.expected: list[float] = []
-        self.accepted: list[float] = []
-
-    def record(self, planned: Sequence[float], num_drafts: int, num_accepted: int) -> None:
-        grow = num_drafts - len(self.expected)
-        if grow > 0:
-            self.expected.extend([0.0] * grow)
-            self.accepted.extend([0.0] * grow)
-        for j in range(min(num_drafts, num_accepted + 1, len(planned))):
-            self.expected[j] += float(planned[j])
-            self.accepted[j] += float(j < num_accepted)
+    verifies: position j's factor is accepted / planned over the drafts that reached j (the
+    counts' rate with `verified` weighted by the planned confidence, prior 1); the plan uses
+    min(1, factor_j * c_j)."""
 
     def apply(self, conf: np.ndarray) -> np.ndarray:
         """[n, k] planned confidences -> calibrated ones."""
-        k = conf.shape[1]
-        f = np.ones(k)
-        m = min(k, len(self.expected))
-        exp, acc = np.asarray(self.expected[:m]), np.asarray(self.accepted[:m])
-        f[:m] = (acc + PRIOR_WEIGHT) / (exp + PRIOR_WEIGHT)
+        f = np.array([self.rate(j, 1.0) for j in range(conf.shape[1])])
         return np.minimum(1.0, conf * f[None, :])

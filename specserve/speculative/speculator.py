@@ -72,7 +72,7 @@ class Speculator:
                 self.drafter.observe(s, len(d), acc)
                 planned = self._planned.pop(s.request_id, None)
                 if planned is not None:
-                    self.calibration.record(planned, len(d), acc)
+                    self.calibration.record(len(d), acc, planned)
         return host._replace(draft_confidences=confs)
 
     def draft_q(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor | None:

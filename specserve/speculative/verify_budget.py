@@ -120,16 +120,6 @@ class VerifyBudget:
         drafting = curve.twin() if dd is not None and dd.model_drafter is not None else None
         return cls(curve, engine.max_num_batched_tokens, drafting)
 
-    def choose(
-        self,
-        surv: np.ndarray,
-        base_rows: int,
-        room: Sequence[int] | None = None,
-        curve: StepCostCurve | None = None,
-    ) -> BudgetChoice:
-        times = (curve or self.curve).times
-        return choose(surv, base_rows, times, self.max_rows, room)
-
     def observe_step(self, total_q: int, seconds: float, drafted: bool = True) -> None:
         """A real decode/verify step; `drafted`: its model drafter drafted in it."""
         self.curve_of(drafted).observe(total_q, seconds)
@@ -191,7 +181,9 @@ class VerifyBudget:
         """The drafts each request verifies: choose() against the curve (the step priced as
         these requests' decode step: prompt chunks beside it run anyway), exploration, metrics."""
         surv = _in_room(surv, room)
-        keep = self.choose(surv, base_rows, curve=curve).num_verify.tolist()
+        keep = choose(
+            surv, base_rows, (curve or self.curve).times, self.max_rows
+        ).num_verify.tolist()
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
             self._explore(surv, keep, base_rows)

@@ -109,7 +109,7 @@ def _simulate(planned: float, true_rate: float, rounds: int, seed: int = 0) -> P
         acc = 0
         while acc < 3 and rng.random() < true_rate:
             acc += 1
-        cal.record([planned] * 3, 3, acc)
+        cal.record(3, acc, [planned] * 3)
     return cal
 
 
@@ -133,7 +133,7 @@ def test_a_calibrated_plan_stays_as_it_is():
 def test_positions_never_reached_keep_their_confidence():
     cal = PlanCalibration()
     for _ in range(50):
-        cal.record([0.9, 0.9, 0.9], 3, 0)  # the first draft always rejected
+        cal.record(3, 0, [0.9, 0.9, 0.9])  # the first draft always rejected
     got = cal.apply(np.full((1, 3), 0.9))[0]
     assert got[0] < 0.1
     np.testing.assert_array_equal(got[1:], 0.9)
@@ -150,7 +150,7 @@ def test_positions_never_reached_keep_their_confidence():
 def test_calibrated_confidences_are_probabilities(rounds, plan):
     cal = PlanCalibration()
     for planned, acc in rounds:
-        cal.record(planned, len(planned), min(acc, len(planned)))
+        cal.record(len(planned), min(acc, len(planned)), planned)
     got = cal.apply(np.array([plan]))
     assert np.all(got >= 0) and np.all(got <= 1)
     assert np.all(got[np.array([plan]) == 0] == 0)  # zero stays zero: never planned

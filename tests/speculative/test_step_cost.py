@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.speculative.verify_budget import VerifyBudget, survivals
+from specserve.speculative.verify_budget import VerifyBudget, choose, survivals
 from tests.speculative.conftest import curve_of, run_steps
 
 BUCKETS = [1, 2, 4, 8, 16, 24, 32, 40]
@@ -61,7 +61,7 @@ def _loop(budget: VerifyBudget, surv: np.ndarray, true_cost, steps: int) -> list
     """The budget choosing and running `steps` steps that cost true_cost(rows)."""
     n, totals = surv.shape[0], []
     for _ in range(steps):
-        m = budget.choose(surv, n).total
+        m = choose(surv, n, budget.curve.times, budget.max_rows).total
         budget.observe_step(n + m, true_cost(n + m))
         totals.append(m)
     return totals
@@ -78,7 +78,7 @@ def test_a_wrong_start_up_curve_is_corrected_by_real_steps(padded, true_cost):
     the budget first verifies too much, and converges to the choice the true curve makes."""
     surv = survivals(np.full((4, 6), 0.7))
     true = curve_of(BUCKETS, true_cost, padded)
-    want = VerifyBudget(true, 64).choose(surv, 4).total
+    want = choose(surv, 4, true.times, 64).total
     budget = VerifyBudget(curve_of(BUCKETS, lambda b: 0.5, padded), 64)
     totals = _loop(budget, surv, lambda r: float(true.times(np.array([r]))[0]), 60)
     assert totals[0] > want or totals[0] == 24  # it started wrong (or at the most there is)
@@ -94,7 +94,7 @@ def test_a_start_up_curve_wrong_by_a_common_factor_is_corrected(padded, factor):
     bucket priced too high and never reached keeps its start-up price.)"""
     surv = survivals(np.full((4, 6), 0.8))
     true = curve_of(BUCKETS, lambda r: 2.0 + 0.3 * r, padded)
-    best = VerifyBudget(true, 64).choose(surv, 4)
+    best = choose(surv, 4, true.times, 64)
     budget = VerifyBudget(curve_of(BUCKETS, lambda r: (2.0 + 0.3 * r) * factor, padded), 64)
     totals = _loop(budget, surv, lambda r: float(true.times(np.array([r]))[0]), 40)
     top = np.sort(surv.ravel())[::-1]
@@ -155,7 +155,7 @@ def test_a_machine_that_speeds_up_does_not_leave_draft_buckets_stale(padded):
     in use), so the choice stays where the true curve puts it."""
     surv = survivals(np.full((4, 6), 0.8))
     shape = curve_of(BUCKETS, lambda r: 2.0 + 0.3 * r, padded)
-    best = VerifyBudget(shape, 64).choose(surv, 4).total
+    best = choose(surv, 4, shape.times, 64).total
     budget = VerifyBudget(curve_of(BUCKETS, lambda r: 2.0 + 0.3 * r, padded), 64)
     for b in BUCKETS[2:]:  # slow phase: the buckets around the choice all measured at 2x
         run_steps(budget.curve, b, lambda r: 2.0 * shape(r))
