@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.eagle3_config import EAGLE3_ARCHITECTURE, Eagle3Config
-from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.layers import Linear, RMSNorm, RotaryEmbedding
 from specserve.ops.fused import apply_rope, rope_, silu_and_mul
+from specserve.ops.gemv import gemv_glu, glu_eligible
 
 
 @dataclass
@@ -58,10 +59,10 @@ class Eagle3Attention(nn.Module):
             c.head_dim,
         )
         self.scale = c.head_dim**-0.5
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None  # serving: q, k, v stacked (fuse_for_serving)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,14 +91,17 @@ class Eagle3Attention(nn.Module):
 class Eagle3MLP(nn.Module):
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # serving: gate, up stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear and glu_eligible(x, gate_up.weight):
+            return self.down_proj(gemv_glu(x, gate_up.weight))  # one kernel to [T, I]
+        if gate_up is not None:
+            return self.down_proj(silu_and_mul(gate_up(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -132,10 +136,10 @@ class Eagle3Head(nn.Module):
             )
         else:
             object.__setattr__(self, "_shared_embed", embed_tokens)  # kept out of state_dict
-        self.fc = nn.Linear(c.fc_in, c.hidden_size, bias=False)
+        self.fc = Linear(c.fc_in, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.confidence_head = nn.Linear(2 * c.hidden_size, 1) if confidence_head else None
@@ -147,9 +151,9 @@ class Eagle3Head(nn.Module):
         """q/k/v and gate/up as one matmul each: fewer launches a head step. For serving only:
         the stacked weights replace the checkpoint's tensors (state_dict loses their names)."""
 
-        def stacked(*parts: nn.Linear) -> nn.Linear:
+        def stacked(*parts: nn.Linear) -> Linear:
             w = torch.cat([p.weight.detach() for p in parts])
-            out = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            out = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
             out.weight = nn.Parameter(w, requires_grad=False)
             return out
 
