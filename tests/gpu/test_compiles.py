@@ -40,6 +40,8 @@ def triton_variants() -> dict[str, int]:
     """Compiled variants of every Triton kernel of the specserve modules imported so far."""
     from triton.runtime.jit import JITFunction
 
+    from tests.gpu.test_triton_attention import compiled_variants
+
     out: dict[str, int] = {}
     for name, mod in list(sys.modules.items()):
         if not name.startswith("specserve.") or mod is None:
@@ -51,12 +53,7 @@ def triton_variants() -> dict[str, int]:
                     break
                 fn = getattr(fn, "fn", None)
             if isinstance(fn, JITFunction):
-                caches = getattr(fn, "device_caches", None)  # triton >= 3.2
-                if caches is not None:
-                    n = sum(len(c[0]) for c in caches.values())
-                else:
-                    n = sum(len(c) for c in fn.cache.values())
-                out[f"{name}.{attr}"] = n
+                out[f"{name}.{attr}"] = compiled_variants(fn)
     return out
 
 
