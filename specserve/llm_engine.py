@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
-from specserve.engine.build import build
 from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
-from specserve.engine.launch import LaunchedStep, settle
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.outputs import TokenOutput
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
+from specserve.engine_build import build
 from specserve.sampling_params import SamplingParams
+from specserve.step_launch import LaunchedStep, settle
 
 log = logging.getLogger("specserve.engine")
 _FAILED = object()  # _read_or_roll_back: the step failed and was rolled back
@@ -38,7 +38,7 @@ class EngineStats:
 class LLMEngine:
     """Steps requests: schedule, launch the step's device work, read it back, run the ledger.
 
-    Its parts are built by engine/build.py: the model (target_model, model_config, tokenizer,
+    Its parts are built by engine_build.py: the model (target_model, model_config, tokenizer,
     tp), KV cache and runner (num_kv_blocks, block_manager, runner), speculation (drafter and
     speculator on the host, device_drafting inside the step; slot_pool, budget), scheduler,
     ledger, output pool (pool), sampler, launcher, grammars, timeline."""
@@ -52,14 +52,14 @@ class LLMEngine:
         self.num_steps = 0
         self.num_sync_steps = 0  # launched synchronously (host drafts, or overlap off)
         # launched behind the step in flight with their sampling queued after its ledger (a
-        # request reads its output tokens on the host: launch.py)
+        # request reads its output tokens on the host: step_launch.py)
         self.num_deferred_steps = 0
         # steps with prompt rows: eager on CUDA (the graphs take decode/verify steps only)
         self.num_prompt_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
         self._last_readback: float | None = None  # of the last step read back (_time_step)
-        # the model, KV cache, runner, speculation, scheduler and ledger (engine/build.py)
+        # the model, KV cache, runner, speculation, scheduler and ledger (engine_build.py)
         build(self, config, progress)
 
     # -- requests ---------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class LLMEngine:
         N+1, then process step N (still running on the device until its readback arrives, while
         N+1 queues behind it), so the ledger is one step late; a step with no rows flushes. A
         step N+1 whose sampling reads step N's tokens on the host (grammars, penalties, bad
-        words) queues its forward first and its sampling after N's ledger (launch.py).
+        words) queues its forward first and its sampling after N's ledger (step_launch.py).
 
         A step that fails before the ledger is rolled back and its requests searched for the
         ones whose inputs caused it (isolation.py): only those end, with finish_reason "error";
@@ -313,7 +313,7 @@ class LLMEngine:
         )
 
     def _launch(self, batch: StepBatch, overlap: bool) -> LaunchedStep:
-        """Queue the step's device work (launch.py); nothing waits for it."""
+        """Queue the step's device work (step_launch.py); nothing waits for it."""
         launched = self.launcher.launch(batch, overlap, behind=self._inflight is not None)
         self.num_deferred_steps += launched.deferred is not None
         self.num_prompt_steps += not batch.is_decode_shaped

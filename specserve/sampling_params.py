@@ -263,7 +263,7 @@ class SamplingParams:
     def reads_output_tokens(self) -> bool:
         """The sampler needs every output token on the host (penalties, bad words, the grammar
         of structured outputs): under overlap this request's sampling is planned after the
-        ledger of the step in flight (engine/launch.py), and it verifies no device drafts."""
+        ledger of the step in flight (step_launch.py), and it verifies no device drafts."""
         return self.has_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     def _validate_logits_processing(self) -> None:

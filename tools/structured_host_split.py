@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    import specserve.engine.launch as launch
     import specserve.runner.logits_plan as logits_plan
     import specserve.runner.step_sampler as step_sampler
+    import specserve.step_launch as launch
     from specserve import LLM
     from specserve.bench.spec_sweep import _closed_loop
     from specserve.bench.structured import _requests

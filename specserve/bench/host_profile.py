@@ -201,7 +201,7 @@ class PhaseClock:
 def _instrument(clock: PhaseClock, llm: Any, level: int) -> None:
     """Level 0: the device's part only; 1: every per-step phase too; 2: and the per-token
     ones (detokenize, outputs), each wrapped call costing ~0.5 us."""
-    from specserve.engine import launch as launch_mod
+    from specserve import step_launch as launch_mod
     from specserve.engine.detokenizer import IncrementalDetokenizer
     from specserve.engine.outputs import TokenOutput
     from specserve.runner.graph_tail import SampledTail

@@ -10,7 +10,7 @@ checks keep those pages out, none of which bothers a non-browser client:
   host name at 127.0.0.1: the browser then calls it same-origin, but its Host gives it away).
 
 The drain: once it starts, new requests get 503 and the requests in flight are counted so the
-server can wait for them (launch.py).
+server can wait for them (step_launch.py).
 """
 
 from __future__ import annotations

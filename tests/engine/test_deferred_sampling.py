@@ -1,4 +1,4 @@
-"""Deferred sampling under overlap (engine/launch.py): a step whose requests read their output
+"""Deferred sampling under overlap (step_launch.py): a step whose requests read their output
 tokens on the host (grammars, penalties, bad words) is launched behind the step in flight, its
 sampling planned after that step's ledger. Checked against the synchronous engine on CPU, where
 the device work runs in the worker thread: same tokens (greedy and seeded), valid grammar

@@ -2,7 +2,7 @@
 guard: the device portion of a step never synchronises with the host except at the one designed
 point (`ops/transfer.designed_sync`, the wait for the step in flight's results). Requests that
 read their output tokens on the host (grammars, penalties, bad words) overlap too: their
-sampling is queued after the ledger of the step in flight (engine/launch.py)."""
+sampling is queued after the ledger of the step in flight (step_launch.py)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_sync_guard_catches_a_sync(cuda: torch.device) -> None:
         eng.fail_all()
 
 
-# -- requests that read their output tokens on the host (deferred sampling, engine/launch.py) --
+# -- requests that read their output tokens on the host (deferred sampling, step_launch.py) --
 
 
 def _host_token_workload():

@@ -23,7 +23,6 @@ from specserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
-from specserve.engine.launch import Launcher
 from specserve.engine.ledger import Ledger
 from specserve.engine.outputs import OutputPool
 from specserve.engine.scheduler import Scheduler
@@ -40,6 +39,7 @@ from specserve.speculative.device_drafting import DEVICE_METHODS, DeviceDrafting
 from specserve.speculative.drafter import build_drafter
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.verify_budget import VerifyBudget
+from specserve.step_launch import Launcher
 from specserve.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def build(eng: LLMEngine, config: EngineConfig, progress: bool) -> None:
     eng.pool = OutputPool(cap)
     eng.ledger = Ledger(eng.scheduler, eng.pool, eos, eng.tokenizer)
     eng.sampler = StepSampler(eng.device, eos, mc.vocab_size, eng.slot_pool)
-    eng.launcher = Launcher(eng)  # queues each step's device work (engine/launch.py)
+    eng.launcher = Launcher(eng)  # queues each step's device work (step_launch.py)
     # structured outputs: xgrammar is set up at the first request that needs it
     eng.grammars = GrammarBackend(eng.tokenizer, eng.model_config.vocab_size, eos)
     # CPU ops are synchronous: overlap there needs the forward in a thread of its own (one,
