@@ -15,12 +15,10 @@ from specserve.chat import (
     template_messages,
 )
 from specserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from specserve.engine.cpu_threads import apply_cpu_threads
 from specserve.engine.outputs import OutputAccumulator, RequestMetrics, RequestOutput, TokenOutput
 from specserve.fanout import sample_params
 from specserve.inputs import EnginePrompt, PromptType, parse_prompts
-from specserve.llm_engine import LLMEngine
-from specserve.model.quant import quantize_engine
+from specserve.llm_engine import build_engine
 from specserve.sampling_params import InvalidRequestError, SamplingParams
 from specserve.structured.tool_parser import parse_tool_calls
 from specserve.structured.tools import (
@@ -76,9 +74,7 @@ class LLM:
             seed=seed,
             **kwargs,
         )
-        apply_cpu_threads(cfg.device)  # before the engine: its overlap worker copies the count
-        self.engine = LLMEngine(cfg, progress=progress)
-        quantize_engine(self.engine)  # no-op unless cfg.quantization
+        self.engine = build_engine(cfg, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
+from specserve.engine.cpu_threads import apply_cpu_threads, on_own_thread
+from specserve.engine.device import resolve_device
 from specserve.engine.draft_rows import draft_rows
 from specserve.engine.isolation import FaultIsolation
 from specserve.engine.ledger import HostStepResult
@@ -17,6 +19,7 @@ from specserve.engine.outputs import TokenOutput
 from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.engine_build import build
+from specserve.model.quant import quantize_engine
 from specserve.sampling_params import SamplingParams
 from specserve.step_launch import LaunchedStep, settle
 
@@ -401,3 +404,20 @@ class LLMEngine:
             self.pool.num_free,
             self.pool.capacity,
         )
+
+
+def build_engine(config: EngineConfig, progress: bool = True) -> LLMEngine:
+    """A ready engine, as LLM and `specserve serve` start one: torch's CPU threads sized, the
+    engine built, its layers quantized (config.quantization). A CPU engine is built on a
+    thread of its own (cpu_threads.on_own_thread: the thread that steps it keeps the only
+    OpenMP pool)."""
+    apply_cpu_threads(config.device)  # before the engine: its overlap worker copies the count
+    if resolve_device(config.device).type == "cpu":
+        return on_own_thread(_build, config, progress)
+    return _build(config, progress)
+
+
+def _build(config: EngineConfig, progress: bool) -> LLMEngine:
+    engine = LLMEngine(config, progress=progress)
+    quantize_engine(engine)  # no-op unless config.quantization
+    return engine

@@ -102,9 +102,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.cli.main import engine_config
-    from specserve.engine.cpu_threads import apply_cpu_threads
-    from specserve.llm_engine import LLMEngine
-    from specserve.model.quant import quantize_engine
+    from specserve.llm_engine import build_engine
     from specserve.server.launch import ServerOptions, bind_socket, run_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -122,9 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        apply_cpu_threads(config.device)
-        engine = LLMEngine(config)
-        quantize_engine(engine)  # no-op unless --quantization
+        engine = build_engine(config)
     except BaseException:
         sock.close()
         raise

@@ -90,7 +90,7 @@ def no_model_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the engine was built")
 
-    monkeypatch.setattr("specserve.llm.LLMEngine", refuse)
+    monkeypatch.setattr("specserve.llm.build_engine", refuse)
     monkeypatch.setattr("specserve.llm_engine.LLMEngine", refuse)
 
 
