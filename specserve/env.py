@@ -22,6 +22,7 @@ restores the previous values on exit:
 | SPECSERVE_GRAPH_TAIL | 1 | decode/verify steps of the common shape sample inside their bucket's CUDA graph, golden device drafting included (runner/graph_tail.py; needs the fused verify) |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
+| SPECSERVE_DEVICE_SPLIT | 1 | with the verify budget, a device-drafted step sampling in its graph tail has only its total rows fixed on the host; the device shares them among its requests by the newest confidences (runner/device_split.py; 0: the host fixes each request's rows) |
 | SPECSERVE_CPU_ATTENTION | auto | CPU paged attention: auto = compiled kernel (ops/cpu_attention.py) when it builds, else the torch path with one warning; kernel = fail if it does not build; torch = the torch path |
 | SPECSERVE_CPU_LINEAR | auto | CPU fp32 linear layers (model/cpu_linear.py): auto = a GGUF's Q4_1 / Q8_0 blocks kept as integer blocks (ops/cpu_qgemm.py, 1 byte a weight, fp32-grade products) where the CPU has AVX512-VNNI, else weights packed once at load into panels; panels = always the panels; torch = F.linear |
 | SPECSERVE_CPU_AMX | auto | integer-block GEMMs: auto = AMX tiles for chunks of 16 rows where the CPU and kernel grant them (the same bits as the vector path); off = vectors only |
@@ -67,6 +68,7 @@ class Settings:
     graph_tail: bool
     tp_timeout: float
     device_drafts: bool
+    device_split: bool
     cpu_threads: str  # "auto" | "keep" | a count (engine/cpu_threads.py)
     cpu_attention: str  # "auto" | "kernel" | "torch" (ops/cpu_attention.py)
     cpu_linear: str  # "auto" | "panels" | "torch" (model/cpu_linear.py)
@@ -92,6 +94,7 @@ class Settings:
             graph_tail=_flag(environ, "SPECSERVE_GRAPH_TAIL"),
             tp_timeout=float(environ.get("SPECSERVE_TP_TIMEOUT") or 300),
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
+            device_split=_flag(environ, "SPECSERVE_DEVICE_SPLIT"),
             cpu_threads=environ.get("SPECSERVE_CPU_THREADS") or "keep",
             cpu_attention=_choice(environ, "SPECSERVE_CPU_ATTENTION", ("auto", "kernel", "torch")),
             cpu_linear=_choice(environ, "SPECSERVE_CPU_LINEAR", ("auto", "panels", "torch")),

@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from specserve import env
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
@@ -20,6 +21,7 @@ from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.engine_build import build
 from specserve.model.quant import quantize_engine
+from specserve.runner.sampler_inputs import tail_compatible
 from specserve.sampling_params import SamplingParams
 from specserve.step_launch import LaunchedStep, settle
 
@@ -163,7 +165,10 @@ class LLMEngine:
                 # the drafting just done decides: drafts kept need the synchronous path; none
                 # (the budget kept none, or nothing to draft) lets this step run overlapped
                 overlap = not self.speculator.has_drafts()
-        batch = self.scheduler.schedule(draft_caps=self._draft_caps())
+        caps, split_total = self._draft_caps()
+        batch = self.scheduler.schedule(draft_caps=caps)
+        if split_total is not None and batch.is_decode_shaped and batch.num_rows > split_total:
+            batch.split_total = split_total
         self.pool.release_through(batch.step - 2)
         outputs += self._take_terminal(batch.step)
         launched = None
@@ -193,16 +198,41 @@ class LLMEngine:
             self.ledger.fill_text(outputs)
         return outputs
 
-    def _draft_caps(self) -> dict[int, int] | None:
+    def _draft_caps(self) -> tuple[dict[int, int] | None, int | None]:
         """Device drafters with the verify budget: each decode-ready request's draft rows in
-        the next step, by slot (None: k each)."""
+        the next step, by slot (None: k each), and for a device split the step's total rows
+        (each request's rows are then its most: its room)."""
         dd, sched = self.device_drafting, self.scheduler
         if dd is None or self.budget is None:
-            return None
+            return None, None
         ready = sched.decode_ready()
         k, limit = self.slot_pool.k, self.max_num_batched_tokens
         room = [draft_rows(s, k, limit, self.max_model_len) for s in ready]
-        return {s.slot: m for s, m in zip(ready, dd.allot(ready, self.budget, room))}
+        keep = dd.allot(ready, self.budget, room)
+        total = None
+        if any(keep) and self._splits(ready):
+            # the budget fixes the total from confidences one step old; the device shares it
+            # among the requests by the newest (runner/device_split.py)
+            total = len(ready) + sum(keep)
+            keep = [m if dd.drafted[s.slot] else 0 for s, m in zip(ready, room)]
+        return {s.slot: m for s, m in zip(ready, keep)}, total
+
+    def _splits(self, ready: list[Sequence]) -> bool:
+        """May the next step, of these decode-ready requests, be a device-split one: all of
+        the running requests, none waiting to be admitted beside them, each sampling in the
+        graph tail with drafts on the device (step_launch.py checks again at launch)."""
+        graphs, sched = self.runner.graphs, self.scheduler
+        return (
+            env.settings.device_split
+            and graphs is not None
+            and graphs.tail is not None
+            and graphs.tail.drafting is not None
+            and self._worker is None
+            and len(ready) == len(sched.running)
+            and (not sched.waiting or len(sched.running) >= self.config.max_num_seqs)
+            and self.device_drafting.tail_ready(ready)
+            and tail_compatible(ready)
+        )
 
     def _process_in_flight(
         self, inflight: LaunchedStep, newer: LaunchedStep | None, out_step: int
@@ -334,7 +364,9 @@ class LLMEngine:
         if self.budget is not None:
             self._time_step(launched)
             if launched.from_drafts and host is not None:
-                rows = sum(1 + m for m, sm in zip(batch.num_drafts, batch.samples) if sm)
+                rows = launched.rows or sum(
+                    1 + m for m, sm in zip(batch.num_drafts, batch.samples) if sm
+                )
                 n = len(host.num_accepted)
                 self.budget.observe_yield(n, n + sum(host.num_accepted), rows)
         if self.speculator is not None and host is not None:
@@ -353,7 +385,8 @@ class LLMEngine:
         last, self._last_readback = self._last_readback, now
         if launched.timed and launched.batch.is_decode_shaped:
             start = last if last is not None else launched.t0
-            self.budget.observe_step(launched.batch.num_rows, now - start, launched.drafted)
+            rows = launched.rows or launched.batch.num_rows
+            self.budget.observe_step(rows, now - start, launched.drafted)
 
     def _commit(
         self,

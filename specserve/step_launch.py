@@ -75,6 +75,7 @@ class LaunchedStep:
     timed: bool = True  # its readback period prices the step-cost curve (llm_engine._time_step)
     drafted: bool = True  # a model drafter drafted in it (the budget's curve of its kind)
     from_drafts: bool = False  # it verifies a model drafter's drafts (the budget's yield)
+    rows: int | None = None  # a device-split step's rows (the host's total): what it costs
 
 
 def settle(launched: LaunchedStep) -> None:
@@ -128,16 +129,22 @@ class Launcher:
         tail = eng.runner.graphs.tail if isinstance(inputs, BucketStep) else None
         if tail is not None and worker is None and seqs and draft_q is None and not defer:
             if dd is None:
-                inputs.tail = pack_tail(seqs, drafts, inputs.tail_views())
+                inputs.tail = not inputs.split and pack_tail(seqs, drafts, inputs.tail_views())
             elif tail.drafting is not None and dd.tail_ready(seqs):  # and its drafter's work
                 feed = (plan_args["shifts"], plan_args["anchor_pos"])
-                if pack_tail(seqs, drafts, inputs.tail_views(), feed):
+                split = [len(d) for d in drafts] if inputs.split else None
+                if pack_tail(seqs, drafts, inputs.tail_views(), feed, split):
                     inputs.tail, inputs.seqlens_q = True, [1 + len(d) for d in drafts]
+        if isinstance(inputs, BucketStep) and inputs.split and not inputs.tail:
+            # the device lays a split step out in the tail's path only: this one, the host
+            inputs = eng.runner.prepare(batch, split=False)
         if plan_args and not (isinstance(inputs, BucketStep) and inputs.tail):
             hook = dd.step_hook(seqs, plan_args["anchor_pos"], [len(d) for d in drafts])
         if has_dd and seqs:
             eng.device_drafting.launched(seqs)
         step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted, from_drafts=from_drafts)
+        if isinstance(inputs, BucketStep) and inputs.split:
+            step.rows = batch.split_total
         if has_dd and eng.device_drafting.model_drafter is not None:
             # the budget's curves price plain steps and steady drafting ones: a switch between
             # them (a catch-up, drafts verified with the chain idle) is neither

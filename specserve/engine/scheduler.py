@@ -33,6 +33,9 @@ class StepBatch:
     device_drafts: bool = False
     shifts: list[bool] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # given a slot in this step
+    # a device-split step: its rows in all (the verify budget's choice); each request's drafts
+    # above are its most, the device choosing within this total (runner/device_split.py)
+    split_total: int | None = None
 
     @property
     def num_rows(self) -> int:

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
+from specserve.runner.device_split import SplitRows, lay_out_split
 from specserve.runner.graph_tail import GraphTail, SampledTail, TailDrafting, TailViews
 
 # Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
@@ -91,8 +92,8 @@ class _Layout:
     """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
     device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
     for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
-    slots | req_shift | anchor_pos | num_blocks [Bb] (the last three: device-drafted steps), float32
-    temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
+    slots | req_shift | anchor_pos | num_blocks | room [Bb] (the last four: device-drafted steps),
+    float32 temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
     positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
     cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
     requests, compact [B, w] (scattered into the [Bb, W] table on the device). pending,
@@ -101,7 +102,7 @@ class _Layout:
 
     def __init__(self, rows: int, reqs: int, width: int) -> None:
         self.rows, self.reqs = rows, reqs
-        self.tail_f32_at = 8 * (3 * rows + 6 * reqs)
+        self.tail_f32_at = 8 * (3 * rows + 7 * reqs)
         self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
         self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
         self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
@@ -122,7 +123,7 @@ class _Layout:
         t, b = self.rows, self.reqs
         a = buf[: self.tail_f32_at].view(i64)
         temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
-        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(6))
+        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(7))
         return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
 
 
@@ -146,6 +147,8 @@ class _Bucket:
     tail_replay: Callable[[], None] | None = None  # ... and its graph
     drafted_tail: Callable[[], None] | None = None  # the tail of device-drafted steps
     drafted_tail_replay: Callable[[], None] | None = None
+    split: Callable[[], None] | None = None  # a device-split step's layout (device_split.py)
+    split_replay: Callable[[], None] | None = None
     # With speculation (max_query_len > 1) a second graph for steps where no request verifies
     # drafts, captured with max_query_len 1: its attention uses the decode tiles (16 rows, 128
     # keys per step) instead of tiles sized for 1 + k rows per request, so plain decoding in a
@@ -168,8 +171,10 @@ class BucketStep:
     width: int  # w: block-table columns the real requests use
     packed: np.ndarray  # uint8, the bucket layout with [B, w] block tables
     tail: bool = False  # its sampling runs in the bucket's tail (packed's front filled)
-    # a device-drafted step sampling in the tail: its rows per request (graph_tail.py)
+    # a device-drafted step sampling in the tail: its rows per request (graph_tail.py); split:
+    # the most, the device choosing within num_rows in all (device_split.py)
     seqlens_q: list[int] | None = None
+    split: bool = False
 
     def tail_views(self) -> TailViews:
         """Numpy views of packed's tail section (sampler_inputs.pack_tail fills them)."""
@@ -239,8 +244,10 @@ class DecodeGraphs:
                         b.tail_views, b.draft_at, b.shift, b.row_req,
                         self._bt[: b.layout.reqs], b.rows, b.layout.reqs,
                     )  # fmt: skip
+                    b.split = functools.partial(self._split_bucket, b, drafting.pool)
         self.num_tail_runs = 0
         self.num_drafted_tail_runs = 0  # of those, device-drafted steps
+        self.num_split_runs = 0  # of those, device-split steps
         self._keepalive: list[torch.Tensor] = []
 
     @property
@@ -267,6 +274,9 @@ class DecodeGraphs:
                 b.tail_replay = backend.capture(b.tail)
             if b.drafted_tail is not None:
                 b.drafted_tail_replay = backend.capture(b.drafted_tail)
+            if b.split is not None:
+                b.split_replay = backend.capture(b.split)
+                self._fill_padding(b)  # its warm-up laid rows out: captures stay padding
         # The graphs read the model's lazily built rotary table: if it were ever rebuilt (larger),
         # keeping the old one alive keeps their reads valid (same values at these positions).
         table = getattr(getattr(self.model, "rotary", None), "_table", None)
@@ -307,6 +317,15 @@ class DecodeGraphs:
             max_context_len=self.max_context_len,
         )
         return self.model(ids, pos, self.kv_caches, ctx)
+
+    def _split_bucket(self, b: _Bucket, pool) -> None:
+        """A device-split step's layout, ahead of its forward (device_split.py)."""
+        rows = SplitRows(
+            b.ids, b.positions, b.slots, b.pending, b.draft_at, b.shift, b.row_req,
+            b.query_lens, b.cu_query_lens, b.context_lens,
+        )  # fmt: skip
+        bt = self._bt[: b.layout.reqs]
+        lay_out_split(rows, b.tail_views, bt, self.block_size, pool.draft_ids, pool.draft_conf)
 
     # -- one step -----------------------------------------------------------------------------
     def prepare(
@@ -360,6 +379,32 @@ class DecodeGraphs:
         ctx[:nreq], ctx[nreq:] = start + qlens, 0
         return BucketStep(b, t, nreq, w, packed)
 
+    def prepare_split(
+        self,
+        anchors: Sequence[int],  # [n] each request's anchor token (0: read on the device)
+        pending: Sequence[int],  # [n] the slot whose next token is its anchor, 0
+        tables: Sequence[list[int]],
+        total: int,  # the step's rows as the host chose them (its bucket)
+    ) -> BucketStep | None:
+        """A device-split step's forward inputs, per request (device_split.py lays its rows
+        out on the device), or None if it is not eligible. Its tail section is packed by
+        sampler_inputs.pack_tail(split=...)."""
+        nreq = len(anchors)
+        if not nreq or total > self.max_rows:
+            return None
+        b = self._buckets[bisect.bisect_left(self.sizes, total)]
+        w = max(map(len, tables))
+        if nreq > b.layout.reqs or w > self.width:
+            return None
+        lay = b.layout
+        packed = np.zeros(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
+        ids, _, _, pend, *_ = lay.split(packed, np.int64, np.int32)
+        ids[:nreq], pend[:nreq] = anchors, pending
+        bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        return BucketStep(b, total, nreq, w, packed, split=True)
+
     @torch.inference_mode()
     def run(self, step: BucketStep) -> torch.Tensor | SampledTail:
         """Copy the step into the static buffers, replay its bucket's graph (or run the bucket
@@ -380,6 +425,9 @@ class DecodeGraphs:
         nreq, w = step.num_reqs, step.width
         stage = self._dev[b.layout.bt_at : b.layout.bt_at + 4 * nreq * w].view(torch.int32)
         self._bt[:nreq, :w].copy_(stage.view(nreq, w))
+        if step.split:
+            (b.split_replay if self.use_graphs and b.split_replay is not None else b.split)()
+            self.num_split_runs += 1
         # one row per request: a plain decode step (the eager twin takes the same variant)
         decode = step.num_rows == step.num_reqs and self._has_decode_variant(b)
         if self.use_graphs and b.replay is not None:
@@ -406,5 +454,5 @@ class DecodeGraphs:
             (b.drafted_tail_replay if graph else b.drafted_tail)()
             self.tail.after_drafted(b.tail_views, b.rows, step.num_reqs)
         return self.tail.readback(
-            b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q
+            b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q, step.split
         )

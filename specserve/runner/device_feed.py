@@ -83,6 +83,9 @@ class DraftFeed(NamedTuple):
     row_shift: torch.Tensor  # [total_q] int64, slot whose rejected rows correct row r; 0
     req_shift: torch.Tensor  # [R] int64, the same per request
     anchor_pos: torch.Tensor  # [R] int64, KV position of each anchor row as the host laid it
+    # [R] int64, a device-split step's most drafts per request, all counted as in flight by
+    # the host (device_split.py); 0 or None: its rows are the host's
+    room: torch.Tensor | None = None
 
 
 def feed_kernels(x: torch.Tensor) -> ModuleType | None:
@@ -140,7 +143,7 @@ def drafted_and_advance(
         return kernels.drafted_and_advance(
             layout.seqlens_q, layout.ftp, draft_ids, layout.is_verify, feed.draft_at,
             pool.draft_conf.view(-1), feed.anchor_pos, feed.req_shift, num_accepted, slots,
-            pool.rejected, pool.seq_len, pool.k + 1,
+            pool.rejected, pool.seq_len, pool.k + 1, feed.room,
         )  # fmt: skip
     count, conf = drafted_rows(layout, draft_ids, feed, pool.draft_conf)
     return count, conf, advance_slots(layout, slots, num_accepted, feed, pool)
@@ -171,11 +174,14 @@ def advance_slots(
 ) -> torch.Tensor:
     """The pool's per-slot state after a step, on the device: each request's length (its
     anchor row's true position + accepted drafts + the sampled token) and the verify rows it
-    rejected (the next step, laid out as if all were accepted, moves back by them). Returns
-    the new lengths [R] int64."""
+    rejected (the next step, laid out as if all were accepted, moves back by them; a split
+    step's host counted its room). Returns the new lengths [R] int64."""
     anchor = feed.anchor_pos - pool.rejected[feed.req_shift]
     seq_len = anchor + num_accepted + 2
+    assumed = layout.seqlens_q - 1
+    if feed.room is not None:
+        assumed = torch.maximum(assumed, feed.room)
     # a padding request of a graph's tail (no rows, slot 0) leaves slot 0's 0 as it is
-    pool.rejected.index_copy_(0, slots, (layout.seqlens_q - 1 - num_accepted).clamp_min(0))
+    pool.rejected.index_copy_(0, slots, (assumed - num_accepted).clamp_min(0))
     pool.seq_len.index_copy_(0, slots, seq_len)
     return seq_len

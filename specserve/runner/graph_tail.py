@@ -77,6 +77,9 @@ class TailViews(NamedTuple):
     req_shift: torch.Tensor | np.ndarray  # [Bb] int64
     anchor_pos: torch.Tensor | np.ndarray  # [Bb] int64
     num_blocks: torch.Tensor | np.ndarray  # [Bb] int64, the request's blocks (0: padding)
+    # a device-split step (device_split.py): the most drafts each request may verify, all
+    # counted as in flight by the host; 0 in any other step
+    room: torch.Tensor | np.ndarray  # [Bb] int64
     temperature: torch.Tensor | np.ndarray  # [Tb] float32, 0 = greedy
 
 
@@ -105,7 +108,9 @@ class TailDrafting(NamedTuple):
 
 class SampledTail:
     """A tail's results on their way to the host (the interface of step_sampler.SampledStep).
-    seqlens_q: a device-drafted step's rows per request (its results carry the drafts)."""
+    seqlens_q: a device-drafted step's rows per request (its results carry the drafts); split:
+    the device chose them, at most these (device_split.py), and its results are handed on in
+    the host's layout, each request's rows past the device's checking -1 (no draft there)."""
 
     def __init__(
         self,
@@ -117,10 +122,11 @@ class SampledTail:
         r: int,
         seqlens_q: list[int] | None = None,
         k: int = 0,
+        split: bool = False,
     ) -> None:
         self._buf, self._event = host, event
         self._at = (rows, reqs, t, r)
-        self._drafted = (seqlens_q, k)
+        self._drafted = (seqlens_q, k, split)
         self._host: HostStepResult | None = None
 
     def wait(self) -> HostStepResult:
@@ -129,19 +135,27 @@ class SampledTail:
                 with designed_sync():
                     self._event.synchronize()
             rows, reqs, t, r = self._at
-            seqlens_q, k = self._drafted
-            ints = self._buf[0][: rows + (3 if seqlens_q else 2) * reqs].tolist()
+            seqlens_q, k, split = self._drafted
+            ints = self._buf[0][: rows + (4 if split else 3 if seqlens_q else 2) * reqs].tolist()
+            verified = ints[:t]
             confs = real = nxt = None
             if seqlens_q is not None:
                 real = ints[rows + 2 * reqs : rows + 2 * reqs + r]
+                dev_sq = ints[rows + 3 * reqs : rows + 3 * reqs + r] if split else seqlens_q
                 floats = self._buf[1][: rows + reqs * k].tolist()
                 nxt = [floats[rows + i * k : rows + (i + 1) * k] for i in range(r)]
                 confs, at = [], 0
-                for n, sq in zip(real, seqlens_q):  # a request's real drafts come first
+                for n, sq in zip(real, dev_sq):  # a request's real drafts come first
                     confs.append(floats[at : at + n])
                     at += sq
+                if split:
+                    verified, at = [], 0
+                    for sq, room in zip(dev_sq, seqlens_q):
+                        verified += ints[at : at + sq]
+                        verified += [-1] * (room - sq)
+                        at += sq
             self._host = HostStepResult(
-                ints[:t],
+                verified,
                 ints[rows : rows + r],
                 ints[rows + reqs : rows + reqs + r],
                 None,
@@ -172,7 +186,7 @@ class GraphTail:
         self.drafting = drafting
         device = hidden.device
         k = drafting.pool.k if drafting is not None else 0
-        n, nf = max_rows + 3 * max_reqs, max_rows + max_reqs * k
+        n, nf = max_rows + 4 * max_reqs, max_rows + max_reqs * k
         self.out = torch.zeros(n, dtype=torch.int64, device=device)
         self.fout = torch.zeros(nf, dtype=torch.float32, device=device)
         self._rows = torch.arange(max_rows, dtype=torch.int64, device=device)
@@ -225,7 +239,7 @@ class GraphTail:
             # verify row r checks the draft fed at row r + 1 (a request's last row checks none:
             # the next row is another request's anchor, or padding, both fed no draft)
             at = torch.cat([fwd_draft_at[1:], self._zero])  # [Tb]
-            feed = DraftFeed(at, fwd_shift, v.req_shift, v.anchor_pos)
+            feed = DraftFeed(at, fwd_shift, v.req_shift, v.anchor_pos, v.room)
             # golden tokens from the pool's table (allocated before capture: tail_drafting)
             gold = (row_req, v.slots)
             counter, draft, forced = feed_verify_rows(v.counter, v.draft, feed, pool, gold)
@@ -247,6 +261,7 @@ class GraphTail:
             out[rows : rows + reqs].copy_(res.sampled_token_ids)
             out[rows + reqs : rows + 2 * reqs].copy_(res.num_accepted)
             out[rows + 2 * reqs : rows + 3 * reqs].copy_(count)
+            out[rows + 3 * reqs : rows + 4 * reqs].copy_(v.seqlens_q)  # a split step's rows
             self.fout[:rows].copy_(conf)
             if drafting.after is None:  # else the drafts are yet to come (after_drafted)
                 self.fout[rows : rows + reqs * k].copy_(pool.draft_conf[v.slots].view(-1))
@@ -265,10 +280,17 @@ class GraphTail:
         torch.index_select(pool.draft_conf, 0, views.slots[:r], out=out)
 
     def readback(
-        self, rows: int, reqs: int, t: int, r: int, seqlens_q: list[int] | None = None
+        self,
+        rows: int,
+        reqs: int,
+        t: int,
+        r: int,
+        seqlens_q: list[int] | None = None,
+        split: bool = False,
     ) -> SampledTail:
         """Queue the copy of the tail just replayed for a step of t rows and r requests
-        (seqlens_q: a device-drafted step's rows per request)."""
+        (seqlens_q: a device-drafted step's rows per request; split: the most, the device's
+        read back with the results)."""
         i = self._turn
         self._turn ^= 1
         owner = self._owner[i]
@@ -276,7 +298,7 @@ class GraphTail:
             owner.wait()  # read before its buffer is reused (already done in a normal loop)
         host = self._host[i]
         k = self.drafting.pool.k if seqlens_q is not None else 0
-        n = rows + (3 if seqlens_q is not None else 2) * reqs
+        n = rows + (4 if split else 3 if seqlens_q is not None else 2) * reqs
         nf = rows + reqs * k if seqlens_q is not None else 0
         event = None
         if self.out.is_cuda:
@@ -288,6 +310,6 @@ class GraphTail:
         else:
             host[0][:n].copy_(self.out[:n])
             host[1][:nf].copy_(self.fout[:nf])
-        sampled = SampledTail(host, event, rows, reqs, t, r, seqlens_q, k)
+        sampled = SampledTail(host, event, rows, reqs, t, r, seqlens_q, k, split)
         self._owner[i] = sampled
         return sampled

@@ -163,7 +163,18 @@ class ModelRunner:
                 runs += 1
         return runs
 
-    def prepare(self, batch: StepBatch) -> StepInputs | BucketStep:
+    def prepare(self, batch: StepBatch, split: bool = True) -> StepInputs | BucketStep:
+        """The step's inputs; a device-split batch (split=True: as one) its per-request ones."""
+        if split and batch.split_total is not None and self.graphs is not None:
+            anchors, pending = [], []
+            for seq, start in zip(batch.seqs, batch.starts):
+                known = start < len(seq.token_ids)  # else sampled by the step in flight
+                anchors.append(seq.token_ids[start] if known else 0)
+                pending.append(0 if known else seq.slot)
+            tables = [s.block_table.blocks for s in batch.seqs]
+            step = self.graphs.prepare_split(anchors, pending, tables, batch.split_total)
+            if step is not None:
+                return step
         rows, tables, num_logits = [], [], []
         pending: np.ndarray | None = None
         draft_at: np.ndarray | None = None

@@ -239,11 +239,18 @@ def build_inputs(
 _EAGER_ONLY = _TOP_K | _TOP_P | _MIN_P | PENALTIES | PROCESSING | MIN_TOKENS | GOLDEN | LOGPROBS
 
 
+def tail_compatible(seqs: Seq[Sequence]) -> bool:
+    """May a device-drafted step of these requests sample in the graph tail (pack_tail)?"""
+    flags = int(np.bitwise_or.reduce(_sampling_rows(seqs)["flags"])) if seqs else 0
+    return not flags & _EAGER_ONLY & ~GOLDEN
+
+
 def pack_tail(
     seqs: Seq[Sequence],
     drafts: Seq[list[int]],
     views,
     feed: tuple[Seq[bool], Seq[int]] | None = None,
+    split: Seq[int] | None = None,
 ) -> bool:
     """Lay out a step's sampling inputs for its bucket's captured tail (runner/graph_tail.py:
     views are numpy views of the bucket's host upload, padded to Tb rows / Bb requests). False,
@@ -252,7 +259,9 @@ def pack_tail(
     feed (device-drafted steps: each request's shift flag and anchor KV position): drafts are
     placeholders for the slot pool's, golden tokens come from the pool's table; each request's
     block count goes along (a model drafter's chain maps its positions past them to its trash
-    block)."""
+    block). split (with feed: a device-split step, each request's room): the per-row inputs go
+    per request, in the first entries of their arrays; the device lays the rows out
+    (runner/device_split.py)."""
     rows = _sampling_rows(seqs)
     eager_only = _EAGER_ONLY & ~GOLDEN if feed is not None else _EAGER_ONLY
     if int(np.bitwise_or.reduce(rows["flags"])) & eager_only:
@@ -260,10 +269,10 @@ def pack_tail(
     n_out = _output_index(seqs)
     r = len(seqs)
     seqlens_q = [1 + len(d) for d in drafts]
-    t = sum(seqlens_q)
+    t = sum(seqlens_q) if split is None else r
     v = views
     v.slots[:r] = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=r)
-    if t == r:  # no drafts: a row per request
+    if t == r:  # no drafts: a row per request (split: one entry per request)
         v.seqlens_q[:r] = 1
         v.ftp[:r] = np.arange(r)
         per_row = rows
@@ -288,5 +297,6 @@ def pack_tail(
         v.num_blocks[:r] = np.fromiter(
             (len(s.block_table.blocks) for s in seqs), dtype=np.int64, count=r
         )
-        v.req_shift[r:], v.anchor_pos[r:], v.num_blocks[r:] = 0, 0, 0
+        v.room[:r] = 0 if split is None else split
+        v.req_shift[r:], v.anchor_pos[r:], v.num_blocks[r:], v.room[r:] = 0, 0, 0, 0
     return True

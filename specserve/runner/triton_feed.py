@@ -72,6 +72,8 @@ def _advance_kernel(
     count_out_ptr,  # [R] int64
     conf_out_ptr,  # [T] float32
     len_out_ptr,  # [R] int64
+    room_ptr,  # [R] int64, a device-split step's drafts counted in flight (ROOM)
+    ROOM: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
     # One program per request: it reads and writes only its own slot (or slot 0, which every
@@ -92,7 +94,10 @@ def _advance_kernel(
     anchor = tl.load(anchor_ptr + i) - tl.load(rejected_ptr + tl.load(req_shift_ptr + i))
     new_len = anchor + accepted + 2
     slot = tl.load(slots_ptr + i)
-    tl.store(rejected_ptr + slot, tl.maximum(sq - 1 - accepted, 0))  # padding: sq = 0
+    assumed = sq - 1
+    if ROOM:
+        assumed = tl.maximum(assumed, tl.load(room_ptr + i))
+    tl.store(rejected_ptr + slot, tl.maximum(assumed - accepted, 0))  # padding: sq = 0
     tl.store(seq_len_ptr + slot, new_len)
     tl.store(len_out_ptr + i, new_len)
 
@@ -168,6 +173,7 @@ def drafted_and_advance(
     rejected: torch.Tensor,
     seq_len: torch.Tensor,
     max_rows: int,  # the most rows a request may have (k + 1: fixed, one compiled variant)
+    room: torch.Tensor | None = None,  # [R] int64 (device_feed.DraftFeed.room)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r, t = seqlens_q.shape[0], draft_ids.shape[0]
     half = r + r % 2  # the lengths start 16-byte aligned whatever R is
@@ -177,7 +183,7 @@ def drafted_and_advance(
         _advance_kernel[(r,)](
             seqlens_q, ftp, draft_ids, is_verify, draft_at, pool_conf, anchor_pos, req_shift,
             num_accepted, slots, rejected, seq_len, count, conf, count[half:],
-            BLOCK_Q=_pow2(max_rows),
+            slots if room is None else room, ROOM=room is not None, BLOCK_Q=_pow2(max_rows),
         )  # fmt: skip
     return count[:r], conf, count[half : half + r]
 

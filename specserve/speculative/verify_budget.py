@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
 
 from specserve.runner.cuda_graph import capture_sizes
 from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, startup_curve
@@ -74,18 +73,6 @@ def choose(
     best = int(np.argmax(tokens / times))  # the first maximum: fewer rows on a tie
     num_verify = np.bincount(order[:best] % max(n, 1), minlength=n).astype(np.int64)
     return BudgetChoice(num_verify, best, float(tokens[best]), float(times[best]))
-
-
-def split_rows(surv: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
-    """[n] int64: choose()'s split of `total` draft rows by tensor ops, with no host sync (for a
-    device split inside a CUDA graph)."""
-    n, k = surv.shape
-    flat = surv.t().reshape(-1)  # [k * n] position-major
-    order = torch.sort(-flat, stable=True).indices
-    ranks = torch.arange(n * k, device=surv.device)
-    rank = torch.empty_like(order).scatter_(0, order, ranks)  # rank[r]: place of r in the order
-    taken = (rank < total) & (flat > 0)
-    return taken.view(k, n).sum(0)
 
 
 class VerifyBudget:

@@ -157,7 +157,7 @@ def test_layout_sections_are_disjoint_and_aligned(rows: int, reqs: int, width: i
     assert spans[0][0] == 0 and spans[-1][1] == lay.max_bytes
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     tail = lay.split_tail(buf, np.int64, np.float32)
-    assert [len(x) for x in tail] == [rows] * 3 + [reqs] * 6 + [rows]
+    assert [len(x) for x in tail] == [rows] * 3 + [reqs] * 7 + [rows]
     assert lay.fwd_at % 8 == 0 and tail.temperature.ctypes.data - base < lay.fwd_at
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.speculative.verify_budget import split_rows
+from specserve.runner.device_split import split_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -65,7 +65,7 @@ def test_the_tail_writes_a_steady_steps_inputs_with_trash_past_each_requests_blo
     views = TailViews(
         seed=torch.zeros(8, **i64), counter=torch.zeros(8, **i64), draft=torch.zeros(8, **i64),
         seqlens_q=t(3, 4, 0), ftp=t(0, 3, 7), slots=t(5, 2, 0), req_shift=t(0, 0, 0),
-        anchor_pos=t(10, 20, 0), num_blocks=t(2, 3, 0), temperature=torch.zeros(8),
+        anchor_pos=t(10, 20, 0), num_blocks=t(2, 3, 0), room=t(0, 0, 0), temperature=torch.zeros(8),
     )  # fmt: skip
     res = VerifyResult(
         verified_token_ids=torch.tensor([11, -1, -1, 21, 22, 23, -1, -1], dtype=torch.int32),

@@ -10,14 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specserve.runner.device_split import split_rows
 from specserve.speculative.step_cost import SWEEP_REPS
-from specserve.speculative.verify_budget import (
-    EXPLORE_EVERY,
-    VerifyBudget,
-    choose,
-    split_rows,
-    survivals,
-)
+from specserve.speculative.verify_budget import EXPLORE_EVERY, VerifyBudget, choose, survivals
 from tests.speculative.conftest import conf_matrix, curve_of
 
 BUCKETS = [1, 2, 4, 8, 16, 24, 32]
