@@ -32,6 +32,7 @@ from specserve.bench.common import (
 from specserve.bench.report import hardware_info, median_interval, software_info, timestamp
 
 MODES = ("off", "fixed", "auto")
+HOST = "host"  # --host-split: the auto budget with each request's rows fixed on the host
 
 
 @dataclass
@@ -72,7 +73,7 @@ def _engine(args: argparse.Namespace, mode: str, max_seqs: int):
         spec = {
             "method": args.method,
             "num_speculative_tokens": args.k,
-            "verify_budget": "auto" if mode == "auto" else "off",
+            "verify_budget": "auto" if mode in ("auto", HOST) else "off",
         }
         if args.method == "draft_model":
             spec["model"] = args.draft_model
@@ -231,6 +232,14 @@ def _point(
     return point
 
 
+def _loop(llm, mode: str, requests: list, c: int) -> LoopResult:
+    """One closed-loop run; the host-split mode's with the device split off."""
+    from specserve import env
+
+    with env.override(device_split=env.settings.device_split and mode != HOST):
+        return _closed_loop(llm, requests, c)
+
+
 def rotated(modes: tuple[str, ...], r: int) -> tuple[str, ...]:
     """Repeat r's order of the modes: each mode runs first, second and last equally often, so
     no mode always runs right after the same one (on the CPU VM auto, always last, ran 2-6 %
@@ -247,35 +256,36 @@ def _requests_for(args: argparse.Namespace, llm, c: int, cache: dict) -> list:
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(x) for x in args.concurrency.split(",")]
+    modes = MODES + ((HOST,) if getattr(args, "host_split", False) else ())
     points: list[SweepPoint] = []
     request_sets: dict[int, list[tuple[list[int], Any]]] = {}
     budget: dict[int, dict[str, Any]] = {}  # the auto engine's step-cost model after each level
     if args.interleave:
         # all three engines alive at once; each repeat runs the three back to back (in a
         # rotating order), so a drift of the machine (clocks, neighbours) hits every mode alike
-        engines = {mode: _engine(args, mode, max(levels)) for mode in MODES}
+        engines = {mode: _engine(args, mode, max(levels)) for mode in modes}
         for c in levels:
             requests = _requests_for(args, engines["off"], c, request_sets)
             for llm in engines.values():
                 _warm_up(llm, requests, c)
             before = {m: _counters(llm) for m, llm in engines.items()}
-            runs: dict[str, list[LoopResult]] = {m: [] for m in MODES}
+            runs: dict[str, list[LoopResult]] = {m: [] for m in modes}
             for r in range(args.repeats):
-                for m in rotated(MODES, r):
-                    runs[m].append(_closed_loop(engines[m], requests, c))
+                for m in rotated(modes, r):
+                    runs[m].append(_loop(engines[m], m, requests, c))
             for m, llm in engines.items():
                 points.append(_point(m, c, requests, runs[m], before[m], _counters(llm)))
             budget[c] = _budget_state(engines["auto"])
         del engines
         free_memory()
     else:
-        for mode in MODES:
+        for mode in modes:
             llm = _engine(args, mode, max(levels))
             for c in levels:
                 requests = _requests_for(args, llm, c, request_sets)
                 _warm_up(llm, requests, c)
                 before = _counters(llm)
-                loops = [_closed_loop(llm, requests, c) for _ in range(args.repeats)]
+                loops = [_loop(llm, mode, requests, c) for _ in range(args.repeats)]
                 points.append(_point(mode, c, requests, loops, before, _counters(llm)))
                 if mode == "auto":
                     budget[c] = _budget_state(llm)
@@ -290,13 +300,13 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "software": software_info(),
         "points": [p.__dict__ | {"tok_s": p.tok_s} for p in points],
         "auto_budget": budget,
-        "checks": _checks(points, levels, outputs_must_match=args.method == "golden"),
+        "checks": _checks(points, levels, args.method == "golden", modes),
     }
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2, default=str)
     if args.plot_path:
-        _plot(points, levels, args.plot_path, args)
+        _plot(points, levels, args.plot_path, args, modes)
     for line in report["checks"]["lines"]:
         print(line)
     return report
@@ -323,7 +333,10 @@ def _verify_rows(llm) -> int:
 
 
 def _checks(
-    points: list[SweepPoint], levels: list[int], outputs_must_match: bool = False
+    points: list[SweepPoint],
+    levels: list[int],
+    outputs_must_match: bool = False,
+    modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
     by = {(p.mode, p.concurrency): p.tok_s for p in points}
     runs = {(p.mode, p.concurrency): p.repeats_tok_s or [p.tok_s] for p in points}
@@ -347,13 +360,18 @@ def _checks(
         intervals[c] = {"auto/off": off_ci, "auto/fixed": fixed_ci, "fixed/off": fo_ci}
         good = over_fixed >= 0.97 and over_off >= 0.99
         ok &= good
-        identical[c] = len({digests[(m, c)] for m in MODES}) == 1
+        identical[c] = len({digests[(m, c)] for m in modes}) == 1
         line = (
             f"C={c}: paired auto/fixed {over_fixed:.3f} [{fixed_ci[0]:.3f}, {fixed_ci[1]:.3f}], "
             f"auto/off {over_off:.3f} [{off_ci[0]:.3f}, {off_ci[1]:.3f}], fixed/off "
             f"{fixed_off:.3f} [{fo_ci[0]:.3f}, {fo_ci[1]:.3f}] -> {'ok' if good else 'MISSED'} "
             f"(ratios of medians: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f})"
         )
+        if HOST in modes:  # the device split against the host's, paired the same way
+            pairs = zip(runs[("auto", c)], runs[(HOST, c)])
+            split, *split_ci = median_interval([a / h for a, h in pairs])
+            intervals[c]["auto/host"] = split_ci
+            line += f"; device/host split {split:.3f} [{split_ci[0]:.3f}, {split_ci[1]:.3f}]"
         if outputs_must_match and not identical[c]:
             # golden tokens force the outputs: any difference is an engine bug, not noise
             ok = False
@@ -369,15 +387,22 @@ def _checks(
     }
 
 
-def _plot(points: list[SweepPoint], levels: list[int], path: str, args: argparse.Namespace) -> None:
+def _plot(
+    points: list[SweepPoint],
+    levels: list[int],
+    path: str,
+    args: argparse.Namespace,
+    modes: tuple[str, ...] = MODES,
+) -> None:
     from specserve.bench.plot_results import plot_sweep
 
     labels = {"off": "no speculation", "fixed": f"fixed k={args.k}", "auto": "verify budget auto"}
+    labels[HOST] = "verify budget auto, split on the host"
     series = {
         labels[mode]: [
             next(p.tok_s for p in points if p.mode == mode and p.concurrency == c) for c in levels
         ]
-        for mode in MODES
+        for mode in modes
     }
     hw = hardware_info()
     where = ", ".join(hw.get("gpus", [])) or f"{hw.get('cpu', 'CPU')} x{hw.get('cpu_cores', '?')}"
@@ -441,6 +466,12 @@ def add_sweep_parser(sub: Any) -> None:
         action="store_true",
         help="keep the three engines alive and alternate them within each repeat (needs "
         "memory for three; pass --kv-cache-gb on GPU)",
+    )
+    p.add_argument(
+        "--host-split",
+        action="store_true",
+        help="a fourth mode: the auto budget with each request's rows fixed on the host "
+        "(SPECSERVE_DEVICE_SPLIT=0), paired against auto's device split",
     )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
