@@ -32,7 +32,14 @@ from specserve.bench.common import (
 from specserve.bench.report import hardware_info, median_interval, software_info, timestamp
 
 MODES = ("off", "fixed", "auto")
-HOST = "host"  # --host-split: the auto budget with each request's rows fixed on the host
+HOST = "host"  # the auto budget with each request's rows fixed on the host (no device split)
+# (mode, against, the least paired ratio that passes: None = reported only)
+PAIRS = (
+    ("auto", "fixed", 0.97),
+    ("auto", "off", 0.99),
+    ("fixed", "off", None),
+    ("auto", HOST, None),
+)
 
 
 @dataclass
@@ -256,7 +263,9 @@ def _requests_for(args: argparse.Namespace, llm, c: int, cache: dict) -> list:
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(x) for x in args.concurrency.split(",")]
-    modes = MODES + ((HOST,) if getattr(args, "host_split", False) else ())
+    modes = tuple(m for m in getattr(args, "modes", ",".join(MODES)).split(","))
+    if "off" not in modes or "auto" not in modes or not set(modes) <= {*MODES, HOST}:
+        raise SystemExit(f"--modes: off, auto and any of fixed, {HOST}; got {modes}")
     points: list[SweepPoint] = []
     request_sets: dict[int, list[tuple[list[int], Any]]] = {}
     budget: dict[int, dict[str, Any]] = {}  # the auto engine's step-cost model after each level
@@ -345,7 +354,6 @@ def _checks(
     identical: dict[int, bool] = {}
     intervals: dict[int, dict[str, list[float]]] = {}  # 90 % bootstrap of each paired median
     for c in levels:
-        off, fixed, auto = by[("off", c)], by[("fixed", c)], by[("auto", c)]
         # The verdict is on ratios taken within each repeat (auto against the fixed-k and the
         # off run right beside it), then their median: host speed drifts between runs by more
         # than the margins checked (H200, R = 0.8, C = 16: fixed k's 9 repeats ran 5,200-6,258
@@ -353,25 +361,22 @@ def _checks(
         # modes' medians keeps. Taken against off and fixed k separately, not against the
         # faster of each repeat's two: that maximum of two noisy runs reads high where the
         # modes tie. The ratio of the medians is printed beside it.
-        triples = list(zip(runs[("off", c)], runs[("fixed", c)], runs[("auto", c)]))
-        over_off, *off_ci = median_interval([a / o for o, _f, a in triples])
-        over_fixed, *fixed_ci = median_interval([a / f for _o, f, a in triples])
-        fixed_off, *fo_ci = median_interval([f / o for o, f, _a in triples])
-        intervals[c] = {"auto/off": off_ci, "auto/fixed": fixed_ci, "fixed/off": fo_ci}
-        good = over_fixed >= 0.97 and over_off >= 0.99
+        parts, medians, good = [], [], True
+        intervals[c] = {}
+        for a, b, floor in PAIRS:
+            if a not in modes or b not in modes:
+                continue
+            ratio, *ci = median_interval([x / y for x, y in zip(runs[(a, c)], runs[(b, c)])])
+            intervals[c][f"{a}/{b}"] = ci
+            parts.append(f"{a}/{b} {ratio:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+            medians.append(f"{a}/{b} {by[(a, c)] / by[(b, c)]:.3f}")
+            good &= floor is None or ratio >= floor
         ok &= good
         identical[c] = len({digests[(m, c)] for m in modes}) == 1
         line = (
-            f"C={c}: paired auto/fixed {over_fixed:.3f} [{fixed_ci[0]:.3f}, {fixed_ci[1]:.3f}], "
-            f"auto/off {over_off:.3f} [{off_ci[0]:.3f}, {off_ci[1]:.3f}], fixed/off "
-            f"{fixed_off:.3f} [{fo_ci[0]:.3f}, {fo_ci[1]:.3f}] -> {'ok' if good else 'MISSED'} "
-            f"(ratios of medians: auto/off {auto / off:.3f}, auto/fixed {auto / fixed:.3f})"
+            f"C={c}: paired {', '.join(parts)} -> {'ok' if good else 'MISSED'} "
+            f"(ratios of medians: {', '.join(medians)})"
         )
-        if HOST in modes:  # the device split against the host's, paired the same way
-            pairs = zip(runs[("auto", c)], runs[(HOST, c)])
-            split, *split_ci = median_interval([a / h for a, h in pairs])
-            intervals[c]["auto/host"] = split_ci
-            line += f"; device/host split {split:.3f} [{split_ci[0]:.3f}, {split_ci[1]:.3f}]"
         if outputs_must_match and not identical[c]:
             # golden tokens force the outputs: any difference is an engine bug, not noise
             ok = False
@@ -380,7 +385,9 @@ def _checks(
     return {
         "all_ok": ok,
         "lines": lines,
-        "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels),
+        "median_auto_over_off": statistics.median(by[("auto", c)] / by[("off", c)] for c in levels)
+        if {"auto", "off"} <= set(modes)
+        else None,
         # greedy bf16 outputs may legitimately differ with batch shape; golden outputs may not
         "outputs_identical": identical,
         "paired_ratio_intervals": intervals,
@@ -468,10 +475,10 @@ def add_sweep_parser(sub: Any) -> None:
         "memory for three; pass --kv-cache-gb on GPU)",
     )
     p.add_argument(
-        "--host-split",
-        action="store_true",
-        help="a fourth mode: the auto budget with each request's rows fixed on the host "
-        "(SPECSERVE_DEVICE_SPLIT=0), paired against auto's device split",
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma list: off and auto, and fixed (k drafts every step) and/or {HOST} (the auto "
+        "budget with each request's rows fixed on the host, SPECSERVE_DEVICE_SPLIT=0)",
     )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (half)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
