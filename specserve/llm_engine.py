@@ -13,7 +13,7 @@ from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
 from specserve.engine.cpu_threads import apply_cpu_threads, on_own_thread
 from specserve.engine.device import resolve_device
-from specserve.engine.draft_rows import draft_rows
+from specserve.engine.draft_rows import draft_rows, tokens_left
 from specserve.engine.isolation import FaultIsolation
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.outputs import TokenOutput
@@ -212,9 +212,16 @@ class LLMEngine:
         total = None
         if any(keep) and self._splits(ready):
             # the budget fixes the total from confidences one step old; the device shares it
-            # among the requests by the newest (runner/device_split.py)
+            # among the requests by the newest (runner/device_split.py). A request's room all
+            # counts as in flight until the readback, so one so near its end that this would
+            # shrink its next step's room is offered only the budget's rows for it
             total = len(ready) + sum(keep)
-            keep = [m if dd.drafted[s.slot] else 0 for s, m in zip(ready, room)]
+            keep = [
+                (m if tokens_left(s, self.max_model_len) >= m + k + 2 else c)
+                if dd.drafted[s.slot]
+                else 0
+                for s, m, c in zip(ready, room, keep)
+            ]
         return {s.slot: m for s, m in zip(ready, keep)}, total
 
     def _splits(self, ready: list[Sequence]) -> bool:
