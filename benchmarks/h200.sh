@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | steps | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | split | steps | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -30,7 +30,7 @@ join_gguf() {  # the default model's GGUF from the parts the gguf1..3 calls left
 }
 TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
 HEAD=$TRAIN/head
-EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
+EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --modes ${MODES:-off,fixed,auto} --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
   tests)  # the GPU test suite (~4 min): engine tests in order, the rest 6 at a time beside them
     P="python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider"
@@ -82,6 +82,11 @@ case ${1:-decode} in
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
+  split)  # the device split against the host's (the auto budget both), golden R = 0.5, both shapes (~4 min);
+    # EAGLE-3's: EAGLE_C=16,64 MODES=off,fixed,auto,host h200.sh eagle
+    G="bench spec-sweep --method golden --k 4 --dataset random --max-tokens 128 --requests-per-slot 2 --min-requests 8 --repeats ${REPEATS:-5} --interleave --modes off,auto,host --dtype bfloat16 --max-model-len 1024 --acceptance-rate 0.5 --concurrency 64,256"
+    $S $G --model dummy:llama-3.1-8b --input-len 96 --kv-cache-gb 7.5 --json "$OUT/split_golden_r05_llama8b.json"
+    $S $G --model dummy:smollm2-135m --input-len 128 --kv-cache-gb 2 --json "$OUT/split_golden_r05_smollm2.json" ;;
   steps)  # what drafting adds to a step: off / golden k=5 (verify only) / EAGLE-3 k=5, each also sampling eagerly; the drafting choice's cost (~6 min)
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --head random --json "$OUT/step_cost_llama8b.json"
     python3 tools/step_cost.py --model dummy:smollm2-135m --head specserve/heads/smollm2-135m-instruct --json "$OUT/step_cost_smollm2.json"
@@ -108,5 +113,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | split | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
 esac

@@ -198,3 +198,41 @@ def test_interleaved_repeats_rotate_the_order_of_the_modes():
     for m in MODES:  # each mode takes each place once in every three repeats
         assert sorted(o.index(m) for o in orders[:3]) == [0, 1, 2]
     assert all(sorted(o) == sorted(MODES) for o in orders)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_modes_pair_the_device_split_against_the_hosts(tmp_path, monkeypatch):
+    """--modes off,auto,host: no fixed-k engine; host runs with the device split off (read by
+    the engine at every step), and its paired ratio is reported, not judged."""
+    from specserve import env
+    from specserve.bench import spec_sweep
+
+    seen: list[tuple[str, bool]] = []
+    loop = spec_sweep._closed_loop
+
+    def spy(llm, requests, c):
+        seen.append((llm.llm_engine_mode, env.settings.device_split))
+        return loop(llm, requests, c)
+
+    engine = spec_sweep._engine
+
+    def tagged(args, mode, max_seqs):
+        llm = engine(args, mode, max_seqs)
+        llm.llm_engine_mode = mode
+        return llm
+
+    monkeypatch.setattr(spec_sweep, "_closed_loop", spy)
+    monkeypatch.setattr(spec_sweep, "_engine", tagged)
+    args = _golden_args(tmp_path, concurrency="2", repeats=2, interleave=True, json_path=None)
+    args.modes = "off,auto,host"
+    report = run_sweep(args)
+    assert sorted({p["mode"] for p in report["points"]}) == ["auto", "host", "off"]
+    timed = seen[3:]  # after the three warm-ups
+    assert ("host", False) in timed and ("auto", True) in timed and ("off", True) in timed
+    assert ("host", True) not in timed
+    intervals = report["checks"]["paired_ratio_intervals"][2]
+    assert set(intervals) == {"auto/off", "auto/host"}
+    assert "auto/host" in report["checks"]["lines"][0]
+    args.modes = "auto,fixed"
+    with pytest.raises(SystemExit, match="--modes"):
+        run_sweep(args)
