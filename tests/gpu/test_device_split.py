@@ -194,3 +194,32 @@ def test_a_device_split_engine_emits_the_tokens_of_no_speculation_cuda(cuda) -> 
     if cuda.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
     _split_matches_host_split("cuda")
+
+
+@pytest.mark.gpu
+def test_no_host_sync_inside_a_device_split_step(cuda) -> None:
+    """Under torch.cuda.set_sync_debug_mode("error") any synchronising call in a step raises
+    (the wait for the step in flight lifts it for itself only): split steps lay their rows out
+    and read back without one."""
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    llm = _engine(True, "cuda")
+    eng = llm.engine
+    prompts = [[7 + i] * (5 + 3 * i) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, golden_token_ids=GOLD)
+        for _ in prompts
+    ]
+    with env.override(device_split=True):
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        before = eng.runner.graphs.num_split_runs
+        for p, sp in zip(prompts, params):
+            eng.add_request(p, sp)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            while eng.has_unfinished():
+                eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert eng.runner.graphs.num_split_runs > before
