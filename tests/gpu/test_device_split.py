@@ -22,6 +22,7 @@ from specserve import LLM, SamplingParams, env
 from specserve.runner.cuda_graph import DecodeGraphs
 from specserve.runner.device_split import SplitRows, lay_out_split, split_rows
 from specserve.speculative.verify_budget import VerifyBudget
+from tests.gpu.conftest import steps_without_host_sync
 from tests.speculative.conftest import curve_of
 from tests.speculative.fake_graphs import FakeGraphs
 
@@ -213,13 +214,5 @@ def test_no_host_sync_inside_a_device_split_step(cuda) -> None:
     with env.override(device_split=True):
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         before = eng.runner.graphs.num_split_runs
-        for p, sp in zip(prompts, params):
-            eng.add_request(p, sp)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            while eng.has_unfinished():
-                eng.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        steps_without_host_sync(eng, prompts, params)
     assert eng.runner.graphs.num_split_runs > before

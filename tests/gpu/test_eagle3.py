@@ -15,6 +15,7 @@ import torch
 from specserve import LLM, SamplingParams, env
 from specserve.model.config import ModelConfig
 from specserve.model.loader.dummy import PRESETS
+from tests.gpu.conftest import steps_without_host_sync
 from tests.model.test_eagle3_format import write_tiny_head
 from tests.speculative.eagle3_heads import LAYERS, _copy_head, _ids, _spec, _spy
 
@@ -136,15 +137,7 @@ def test_no_host_sync_inside_a_device_eagle3_step(target, prompts, ref, tmp_path
     llm = _llm(target[0], _spec(head, k=3), device_drafts=True)
     eng = llm.engine
     llm.generate(prompts, SP, use_tqdm=False)  # warm-up
-    for p in prompts:
-        eng.add_request(p, SP)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(eng, prompts, [SP] * len(prompts))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

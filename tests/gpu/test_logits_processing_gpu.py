@@ -11,6 +11,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.env import override
+from tests.gpu.conftest import steps_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -107,15 +108,7 @@ def test_no_host_sync_inside_a_step_with_processing(cuda: torch.device) -> None:
     params = params + [SamplingParams(max_tokens=8, prompt_logprobs=2)]
     prompts = prompts + [prompts[2]]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    for p, sp in zip(prompts, params):
-        eng.add_request(p, sp)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(eng, prompts, params)
 
 
 @pytest.mark.parametrize("every", [False, True])
