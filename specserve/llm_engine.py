@@ -217,10 +217,10 @@ class LLMEngine:
             # shrink its next step's room is offered only the budget's rows for it
             total = len(ready) + sum(keep)
             keep = [
-                (m if tokens_left(s, self.max_model_len) >= m + k + 2 else c)
+                (most if tokens_left(s, self.max_model_len) >= most + k + 2 else chosen)
                 if dd.drafted[s.slot]
                 else 0
-                for s, m, c in zip(ready, room, keep)
+                for s, most, chosen in zip(ready, room, keep)
             ]
         return {s.slot: m for s, m in zip(ready, keep)}, total
 

@@ -351,15 +351,7 @@ class DecodeGraphs:
         packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
         ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
-        # every table at once (a numpy assignment per request cost ~1 us each at 256)
-        lens = list(map(len, tables))
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
-        if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
-            bt[:] = flat.reshape(nreq, w)
-        else:
-            used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
-            bt[~used] = 0
-            bt[used] = flat
+        _pack_tables(bt, tables)
         cum = np.zeros(nreq + 1, dtype=np.int64)
         np.cumsum(qlens, out=cum[1:])
         req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row
@@ -400,9 +392,7 @@ class DecodeGraphs:
         packed = np.zeros(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
         ids, _, _, pend, *_ = lay.split(packed, np.int64, np.int32)
         ids[:nreq], pend[:nreq] = anchors, pending
-        bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
+        _pack_tables(packed[lay.bt_at :].view(np.int32).reshape(nreq, w), tables)
         return BucketStep(b, total, nreq, w, packed, split=True)
 
     @torch.inference_mode()
@@ -456,3 +446,17 @@ class DecodeGraphs:
         return self.tail.readback(
             b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q, step.split
         )
+
+
+def _pack_tables(bt: np.ndarray, tables: Sequence[list[int]]) -> None:
+    """The requests' block tables into bt [B, w] (zero past each), all at once: a numpy
+    assignment per request cost ~1 us each at 256 requests."""
+    nreq, w = bt.shape
+    lens = list(map(len, tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
+    if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
+        bt[:] = flat.reshape(nreq, w)
+    else:
+        used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
+        bt[~used] = 0
+        bt[used] = flat
