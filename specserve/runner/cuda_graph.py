@@ -36,28 +36,10 @@ import torch
 from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
+from specserve.runner.bucket_layout import BucketLayout, capture_sizes, pack_tables
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 from specserve.runner.device_split import SplitRows, lay_out_split
 from specserve.runner.graph_tail import GraphTail, SampledTail, TailDrafting, TailViews
-
-# Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
-# an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
-MAX_CAPTURE_ROWS = 512
-_I64_ARRAYS = 7  # ids, positions, slots, pending, draft_at, shift, row_req
-
-
-def capture_sizes(max_rows: int, cap: int = MAX_CAPTURE_ROWS) -> list[int]:
-    """Buckets 1, 2, 4, 8, then every 8 rows up to 256, every 16 above, ending at min(max_rows,
-    cap). Decode is weight-bandwidth-bound: a few padding rows cost almost nothing (the GEMMs'
-    row tiles are 64+ rows anyway), so step 8 keeps waste under 8 rows with ~40 graphs; the
-    powers of two below 8 spare batch-1..4 decode the padded attention rows."""
-    top = max(1, min(max_rows, cap))
-    sizes, b = [], 1
-    while b < top:
-        sizes.append(b)
-        b = b * 2 if b < 8 else b + (8 if b < 256 else 16)
-    sizes.append(top)
-    return sizes
 
 
 class GraphBackend(Protocol):
@@ -88,48 +70,9 @@ class CudaGraphBackend:
         return graph.replay
 
 
-class _Layout:
-    """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
-    device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
-    for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
-    slots | req_shift | anchor_pos | num_blocks | room [Bb] (the last four: device-drafted steps),
-    float32 temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
-    positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
-    cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
-    requests, compact [B, w] (scattered into the [Bb, W] table on the device). pending,
-    draft_at and shift are the device-side inputs of overlap scheduling (device_feed.py),
-    applied inside the graph."""
-
-    def __init__(self, rows: int, reqs: int, width: int) -> None:
-        self.rows, self.reqs = rows, reqs
-        self.tail_f32_at = 8 * (3 * rows + 7 * reqs)
-        self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
-        self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
-        self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
-        self.max_bytes = self.bt_at + 4 * reqs * width
-
-    def split(self, buf, i64, i32):  # buf: uint8 np.ndarray or torch.Tensor -> typed views
-        t, b = self.rows, self.reqs
-        a = buf[self.fwd_at : self.i32_at].view(i64)
-        c = buf[self.i32_at : self.bt_at].view(i32)
-        return (
-            *(a[i * t : (i + 1) * t] for i in range(_I64_ARRAYS)),
-            c[:b],
-            c[b : 2 * b + 1],
-            c[2 * b + 1 :],
-        )
-
-    def split_tail(self, buf, i64, f32) -> TailViews:
-        t, b = self.rows, self.reqs
-        a = buf[: self.tail_f32_at].view(i64)
-        temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
-        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(7))
-        return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
-
-
 @dataclass
 class _Bucket:
-    layout: _Layout
+    layout: BucketLayout
     max_query_len: int
     ids: torch.Tensor  # [Tb] int64, device views into the static buffer
     positions: torch.Tensor  # [Tb] int64
@@ -214,7 +157,7 @@ class DecodeGraphs:
         self.num_verify_replays = 0  # replays with some request verifying drafts
         self.num_decode_variant_replays = 0  # plain decode steps through a decode-shaped graph
         self.num_eager_runs = 0
-        layouts = [_Layout(t, min(t, max_num_seqs), self.width) for t in self.sizes]
+        layouts = [BucketLayout(t, min(t, max_num_seqs), self.width) for t in self.sizes]
         nbytes = max(lay.max_bytes for lay in layouts)
         pin = device.type == "cuda"
         # Plain (not inference-mode) tensors: writable inside and outside inference mode.
@@ -333,9 +276,9 @@ class DecodeGraphs:
         rows: Sequence[list[int]],
         starts: Sequence[int],
         tables: Sequence[list[int]],
-        pending: np.ndarray | None = None,  # [T] int64, see _Layout
-        draft_at: np.ndarray | None = None,  # [T] int64, see _Layout
-        shift: np.ndarray | None = None,  # [T] int64, see _Layout
+        pending: np.ndarray | None = None,  # [T] int64, see BucketLayout
+        draft_at: np.ndarray | None = None,  # [T] int64, see BucketLayout
+        shift: np.ndarray | None = None,  # [T] int64, see BucketLayout
     ) -> BucketStep | None:
         """Host layout of a step whose every row wants logits, or None if it is not eligible."""
         nreq = len(rows)
@@ -351,7 +294,7 @@ class DecodeGraphs:
         packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
         ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
         bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
-        _pack_tables(bt, tables)
+        pack_tables(bt, tables)
         cum = np.zeros(nreq + 1, dtype=np.int64)
         np.cumsum(qlens, out=cum[1:])
         req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row
@@ -392,7 +335,7 @@ class DecodeGraphs:
         packed = np.zeros(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
         ids, _, _, pend, *_ = lay.split(packed, np.int64, np.int32)
         ids[:nreq], pend[:nreq] = anchors, pending
-        _pack_tables(packed[lay.bt_at :].view(np.int32).reshape(nreq, w), tables)
+        pack_tables(packed[lay.bt_at :].view(np.int32).reshape(nreq, w), tables)
         return BucketStep(b, total, nreq, w, packed, split=True)
 
     @torch.inference_mode()
@@ -446,17 +389,3 @@ class DecodeGraphs:
         return self.tail.readback(
             b.rows, b.layout.reqs, step.num_rows, step.num_reqs, step.seqlens_q, step.split
         )
-
-
-def _pack_tables(bt: np.ndarray, tables: Sequence[list[int]]) -> None:
-    """The requests' block tables into bt [B, w] (zero past each), all at once: a numpy
-    assignment per request cost ~1 us each at 256 requests."""
-    nreq, w = bt.shape
-    lens = list(map(len, tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
-    if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
-        bt[:] = flat.reshape(nreq, w)
-    else:
-        used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
-        bt[~used] = 0
-        bt[used] = flat

@@ -12,7 +12,7 @@ common shape the tail is captured too, one graph per bucket replayed right after
     out = verified [Tb] | sampled [Bb] | num_accepted [Bb]     (int64, one static buffer)
 
 then one copy of `out` to pinned host memory. Its inputs (seeds, counters, drafts, temperatures,
-seqlens_q, ftp, slots) travel in the front of the bucket's one upload (cuda_graph._Layout), laid
+seqlens_q, ftp, slots) travel in the front of the bucket's one upload (bucket_layout.BucketLayout), laid
 out by sampler_inputs.pack_tail; no SamplerPlan is built.
 
 Common shape (pack_tail): every request greedy or temperature-only, with no logits processing,

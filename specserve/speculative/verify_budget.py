@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from specserve.runner.cuda_graph import capture_sizes
+from specserve.runner.bucket_layout import capture_sizes
 from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, startup_curve
 
 if TYPE_CHECKING:

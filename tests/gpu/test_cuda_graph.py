@@ -17,7 +17,8 @@ import torch
 
 from specserve.model.loader.common import build_empty_model
 from specserve.model.loader.dummy import dummy_config, init_random_
-from specserve.runner.cuda_graph import BucketStep, capture_sizes
+from specserve.runner.bucket_layout import capture_sizes
+from specserve.runner.cuda_graph import BucketStep
 from specserve.runner.model_runner import ModelRunner, StepInputs
 
 BS = 4  # block size of the layout tests: small, so rows cross blocks

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams, env
-from specserve.runner.cuda_graph import _Layout
+from specserve.runner.bucket_layout import BucketLayout
 from specserve.runner.graph_tail import TailViews
 from specserve.sample.verify import verify_padded
 from tests.speculative.fake_graphs import FakeGraphs
@@ -98,7 +98,7 @@ def test_padded_verify_ignores_padding_rows_and_requests() -> None:
     """Rows past T and requests past R change nothing of the real ones: the tail's verify of a
     bucket against the same step laid out exactly."""
     rng = np.random.default_rng(0)
-    lay = _Layout(16, 8, 4)
+    lay = BucketLayout(16, 8, 4)
     buf = torch.zeros(lay.max_bytes, dtype=torch.uint8)
     views = lay.split_tail(buf, torch.int64, torch.float32)
     assert isinstance(views, TailViews) and views.seed.shape == (16,) and views.slots.shape == (8,)
@@ -144,7 +144,7 @@ def test_tail_emits_what_the_eager_sampler_does_cuda(
 def test_layout_sections_are_disjoint_and_aligned(rows: int, reqs: int, width: int) -> None:
     """The tail's inputs, the forward's and the block tables tile the bucket's upload without
     overlap, each view aligned to its dtype and of its documented length."""
-    lay = _Layout(rows, reqs, width)
+    lay = BucketLayout(rows, reqs, width)
     buf = np.zeros(lay.max_bytes, dtype=np.uint8)
     base = buf.ctypes.data
     spans = []

@@ -1,0 +1,85 @@
+"""A bucket's upload: the bucket sizes (total_q) CUDA graphs are captured for, and the byte
+layout of one bucket's inputs, in the pinned staging buffer and on the device alike, so one copy
+moves a step's inputs (runner/cuda_graph.py replays them, graph_tail.py and device_split.py read
+them)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from specserve.runner.graph_tail import TailViews
+
+# Past this many rows a step is long enough (the 8B's GEMMs turn compute-bound around 256 rows on
+# an H200) that launch overhead is a small share of it, and more graphs only cost start-up time.
+MAX_CAPTURE_ROWS = 512
+_I64_ARRAYS = 7  # ids, positions, slots, pending, draft_at, shift, row_req
+
+
+def capture_sizes(max_rows: int, cap: int = MAX_CAPTURE_ROWS) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every 8 rows up to 256, every 16 above, ending at min(max_rows,
+    cap). Decode is weight-bandwidth-bound: a few padding rows cost almost nothing (the GEMMs'
+    row tiles are 64+ rows anyway), so step 8 keeps waste under 8 rows with ~40 graphs; the
+    powers of two below 8 spare batch-1..4 decode the padded attention rows."""
+    top = max(1, min(max_rows, cap))
+    sizes, b = [], 1
+    while b < top:
+        sizes.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 256 else 16)
+    sizes.append(top)
+    return sizes
+
+
+class BucketLayout:
+    """Byte layout of one bucket's inputs, the same in the pinned staging buffer and on the
+    device, so one copy moves them all. First the sampling tail's (graph_tail.py; uploaded only
+    for a step that samples in the graph): int64 seed | counter | draft [Tb] | seqlens_q | ftp |
+    slots | req_shift | anchor_pos | num_blocks | room [Bb] (the last four: device-drafted steps),
+    float32 temperature [Tb] (8-byte padded). Then the forward's: int64 ids |
+    positions | slots | pending | draft_at | shift | row_req [Tb], int32 query_lens [Bb] |
+    cu_query_lens [Bb + 1] | context_lens [Bb], then the int32 block tables of the step's real
+    requests, compact [B, w] (scattered into the [Bb, W] table on the device). pending,
+    draft_at and shift are the device-side inputs of overlap scheduling (device_feed.py),
+    applied inside the graph."""
+
+    def __init__(self, rows: int, reqs: int, width: int) -> None:
+        self.rows, self.reqs = rows, reqs
+        self.tail_f32_at = 8 * (3 * rows + 7 * reqs)
+        self.fwd_at = self.tail_f32_at + 8 * -(-rows // 2)  # float32 [Tb], 8-byte padded
+        self.i32_at = self.fwd_at + 8 * _I64_ARRAYS * rows
+        self.bt_at = self.i32_at + 4 * (3 * reqs + 1)
+        self.max_bytes = self.bt_at + 4 * reqs * width
+
+    def split(self, buf, i64, i32):  # buf: uint8 np.ndarray or torch.Tensor -> typed views
+        t, b = self.rows, self.reqs
+        a = buf[self.fwd_at : self.i32_at].view(i64)
+        c = buf[self.i32_at : self.bt_at].view(i32)
+        return (
+            *(a[i * t : (i + 1) * t] for i in range(_I64_ARRAYS)),
+            c[:b],
+            c[b : 2 * b + 1],
+            c[2 * b + 1 :],
+        )
+
+    def split_tail(self, buf, i64, f32) -> TailViews:
+        t, b = self.rows, self.reqs
+        a = buf[: self.tail_f32_at].view(i64)
+        temp = buf[self.tail_f32_at : self.tail_f32_at + 4 * t].view(f32)
+        per_req = (a[3 * t + i * b : 3 * t + (i + 1) * b] for i in range(7))
+        return TailViews(a[:t], a[t : 2 * t], a[2 * t : 3 * t], *per_req, temp)
+
+
+def pack_tables(bt: np.ndarray, tables: Sequence[list[int]]) -> None:
+    """The requests' block tables into bt [B, w] (zero past each), all at once: a numpy
+    assignment per request cost ~1 us each at 256 requests."""
+    nreq, w = bt.shape
+    lens = list(map(len, tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
+    if flat.shape[0] == nreq * w:  # all of one width (always at batch 1)
+        bt[:] = flat.reshape(nreq, w)
+    else:
+        used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
+        bt[~used] = 0
+        bt[used] = flat
