@@ -7,13 +7,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from specserve import env
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallelError
 from specserve.engine.admission import admit
 from specserve.engine.cpu_threads import apply_cpu_threads, on_own_thread
 from specserve.engine.device import resolve_device
-from specserve.engine.draft_rows import draft_rows, tokens_left
 from specserve.engine.isolation import FaultIsolation
 from specserve.engine.ledger import HostStepResult
 from specserve.engine.outputs import TokenOutput
@@ -21,8 +19,8 @@ from specserve.engine.scheduler import StepBatch
 from specserve.engine.sequence import FinishReason, Sequence
 from specserve.engine_build import build
 from specserve.model.quant import quantize_engine
-from specserve.runner.sampler_inputs import tail_compatible
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.row_plan import plan_rows
 from specserve.step_launch import LaunchedStep, settle
 
 log = logging.getLogger("specserve.engine")
@@ -165,7 +163,7 @@ class LLMEngine:
                 # the drafting just done decides: drafts kept need the synchronous path; none
                 # (the budget kept none, or nothing to draft) lets this step run overlapped
                 overlap = not self.speculator.has_drafts()
-        caps, split_total = self._draft_caps()
+        caps, split_total = plan_rows(self)
         batch = self.scheduler.schedule(draft_caps=caps)
         if split_total is not None and batch.is_decode_shaped and batch.num_rows > split_total:
             batch.split_total = split_total
@@ -197,49 +195,6 @@ class LLMEngine:
             # queued (a deferred step's sampling waited for the ledger, not for this)
             self.ledger.fill_text(outputs)
         return outputs
-
-    def _draft_caps(self) -> tuple[dict[int, int] | None, int | None]:
-        """Device drafters with the verify budget: each decode-ready request's draft rows in
-        the next step, by slot (None: k each), and for a device split the step's total rows
-        (each request's rows are then its most: its room)."""
-        dd, sched = self.device_drafting, self.scheduler
-        if dd is None or self.budget is None:
-            return None, None
-        ready = sched.decode_ready()
-        k, limit = self.slot_pool.k, self.max_num_batched_tokens
-        room = [draft_rows(s, k, limit, self.max_model_len) for s in ready]
-        keep = dd.allot(ready, self.budget, room)
-        total = None
-        if any(keep) and self._splits(ready):
-            # the budget fixes the total from confidences one step old; the device shares it
-            # among the requests by the newest (runner/device_split.py). A request's room all
-            # counts as in flight until the readback, so one so near its end that this would
-            # shrink its next step's room is offered only the budget's rows for it
-            total = len(ready) + sum(keep)
-            keep = [
-                (most if tokens_left(s, self.max_model_len) >= most + k + 2 else chosen)
-                if dd.drafted[s.slot]
-                else 0
-                for s, most, chosen in zip(ready, room, keep)
-            ]
-        return {s.slot: m for s, m in zip(ready, keep)}, total
-
-    def _splits(self, ready: list[Sequence]) -> bool:
-        """May the next step, of these decode-ready requests, be a device-split one: all of
-        the running requests, none waiting to be admitted beside them, each sampling in the
-        graph tail with drafts on the device (step_launch.py checks again at launch)."""
-        graphs, sched = self.runner.graphs, self.scheduler
-        return (
-            env.settings.device_split
-            and graphs is not None
-            and graphs.tail is not None
-            and graphs.tail.drafting is not None
-            and self._worker is None
-            and len(ready) == len(sched.running)
-            and (not sched.waiting or len(sched.running) >= self.config.max_num_seqs)
-            and self.device_drafting.tail_ready(ready)
-            and tail_compatible(ready)
-        )
 
     def _process_in_flight(
         self, inflight: LaunchedStep, newer: LaunchedStep | None, out_step: int
