@@ -16,7 +16,9 @@ The verify budget (allot below) sizes each request's rows on the host from the c
 back with each step: those of the drafts a step wrote for the step after it. Under overlap the
 newest the host has when it lays out step N+1 are the ones of step N's drafts (N, which drafts
 for N+1, is still in flight): one step old. A request not yet read back starts at confidence 1
-(verify, to learn). A request whose newest drafts are fewer than its rows checks -1 there.
+(verify, to learn). A request whose newest drafts are fewer than its rows checks -1 there. A
+step sampling in its graph tail has only its total fixed so (row_plan.py); the device shares it
+by the newest confidences (runner/device_split.py).
 
 A model drafter's chain runs in every step that drafts, so with the budget each step also
 chooses whether to draft (VerifyBudget.plan). A step that does not is a plain step: no feed, no
