@@ -17,6 +17,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.model.loader.dummy import PRESETS
+from tests.gpu.conftest import steps_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -121,19 +122,8 @@ def test_no_host_sync_inside_a_speculative_step(target, spec) -> None:
     eng = llm.engine
     _run(llm)  # warm-up: Triton JIT, lazily built tables, allocator pools
     prompts, params = _workload()
-    for p, sp in zip(prompts, params):
-        eng.add_request(p, sp)
-    torch.cuda.synchronize()
-    steps = 0
     accepted = eng.ledger.spec.num_accepted_tokens
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while eng.has_unfinished():
-            eng.step()
-            steps += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert steps > 10
+    assert steps_without_host_sync(eng, prompts, params) > 10
     assert eng.ledger.spec.num_accepted_tokens > accepted  # steady-state speculative steps
 
 

@@ -16,6 +16,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from tests.engine.test_deferred_sampling import CHOICES, REGEX, SCHEMA
+from tests.gpu.conftest import steps_without_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -90,18 +91,8 @@ def test_no_host_sync_inside_a_step(cuda: torch.device) -> None:
     eng = llm.engine
     prompts, params = _workload()
     _run(llm)  # warm-up: Triton JIT, lazily built tables, allocator pools
-    for p, sp in zip(prompts, params):
-        eng.add_request(p, sp)
-    torch.cuda.synchronize()
-    steps = 0
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while eng.has_unfinished():
-            eng.step()  # prefill chunks, mixed steps, decode graphs, stops in flight, drain
-            steps += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert steps > 20
+    # prefill chunks, mixed steps, decode graphs, stops in flight, drain
+    assert steps_without_host_sync(eng, prompts, params) > 20
 
 
 def test_sync_guard_catches_a_sync(cuda: torch.device) -> None:
