@@ -30,7 +30,7 @@ join_gguf() {  # the default model's GGUF from the parts the gguf1..3 calls left
 }
 TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
 HEAD=$TRAIN/head
-EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --modes ${MODES:-off,fixed,auto} --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
+EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --modes ${MODES:-off,fixed,auto} ${DEVICE_TIME:+--device-time} --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
   tests)  # the GPU test suite (~4 min): engine tests in order, the rest 6 at a time beside them
     P="python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider"
@@ -78,7 +78,8 @@ case ${1:-decode} in
       (cd $HEAD && tar cf - . | split -b 12m - "$OUT/head.tar.")
     fi ;;
   eagle)  # the trained head against no speculation, held-out chat and HumanEval prompts
-    # (EAGLE_C=1 REPEATS=2: tokens per step only, ~2 min, where C = 16 and 5 repeats do not fit)
+    # (EAGLE_C=1 REPEATS=2: tokens per step only, ~2 min, where C = 16 and 5 repeats do not fit;
+    # DEVICE_TIME=1: each mode's device time by step kind)
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;

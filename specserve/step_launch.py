@@ -76,6 +76,9 @@ class LaunchedStep:
     drafted: bool = True  # a model drafter drafted in it (the budget's curve of its kind)
     from_drafts: bool = False  # it verifies a model drafter's drafts (the budget's yield)
     rows: int | None = None  # a device-split step's rows (the host's total): what it costs
+    # prompt (prompt rows in it), drafting (a model drafter's chain ran), verify (draft rows,
+    # no chain) or plain: the device timeline's kind (runner/timeline.py)
+    kind: str = "plain"
 
 
 def settle(launched: LaunchedStep) -> None:
@@ -145,6 +148,11 @@ class Launcher:
         step = LaunchedStep(batch, seqs, t0, behind, drafted=drafted, from_drafts=from_drafts)
         if isinstance(inputs, BucketStep) and inputs.split:
             step.rows = batch.split_total
+        chain = has_dd and eng.device_drafting.model_drafter is not None and drafted and not plain
+        if not batch.is_decode_shaped:
+            step.kind = "prompt"
+        elif chain or any(batch.num_drafts):
+            step.kind = "drafting" if chain else "verify"
         if has_dd and eng.device_drafting.model_drafter is not None:
             # the budget's curves price plain steps and steady drafting ones: a switch between
             # them (a catch-up, drafts verified with the chain idle) is neither
@@ -211,7 +219,7 @@ class Launcher:
             for s, d in zip(step.seqs, drafts):
                 s.num_pending += 1
                 s.num_pending_drafts += len(d)
-        self.engine.timeline.end()
+        self.engine.timeline.end(step.kind)
 
     @staticmethod
     def _device_feed(batch: StepBatch) -> dict:

@@ -58,6 +58,8 @@ class SweepPoint:
     # steps carrying prompt rows (eager on CUDA): speculation spreads the requests' ends, hence
     # the admissions behind them, over more steps
     prompt_steps_per_run: float = 0.0
+    # --device-time (CUDA): per step kind (runner/timeline.py), [steps a run, device ms a step]
+    device_by_kind: dict[str, list[float]] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -210,6 +212,7 @@ def _point(
     runs: list[LoopResult],
     before: tuple[int, ...],
     after: tuple[int, ...],
+    device: dict[str, tuple[int, float]] | None = None,
 ) -> SweepPoint:
     """One (mode, concurrency) point from its timed runs: the median run, with acceptance and
     verify rows over all of them."""
@@ -229,6 +232,10 @@ def _point(
         sync / len(runs),
         prompt / len(runs),
     )
+    if device is not None:
+        point.device_by_kind = {
+            kind: [n / len(runs), ms / n] for kind, (n, ms) in sorted(device.items())
+        }
     print(
         f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
         f"{point.mean_acceptance_length:.2f}  draft rows/step "
@@ -236,7 +243,25 @@ def _point(
         f"{point.sync_steps_per_run:.1f}  prompt steps/run {point.prompt_steps_per_run:.1f}",
         flush=True,
     )
+    if point.device_by_kind:
+        kinds = ", ".join(
+            f"{k} {n:.1f} x {ms:.2f} ms" for k, (n, ms) in point.device_by_kind.items()
+        )
+        print(f"       device time a run by step kind: {kinds}", flush=True)
     return point
+
+
+def _timing(engines: list, on: bool) -> list[dict[str, tuple[int, float]] | None]:
+    """--device-time: start each engine's step timeline (on) or stop it and read it."""
+    out: list[dict[str, tuple[int, float]] | None] = []
+    for llm in engines:
+        timeline = llm.engine.timeline
+        if on:
+            timeline.start()
+        else:
+            out.append(timeline.by_kind() if timeline.enabled else None)
+            timeline.stop()
+    return out
 
 
 def _loop(llm, mode: str, requests: list, c: int) -> LoopResult:
@@ -279,11 +304,15 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 _warm_up(llm, requests, c)
             before = {m: _counters(llm) for m, llm in engines.items()}
             runs: dict[str, list[LoopResult]] = {m: [] for m in modes}
+            timed = list(engines.values()) if getattr(args, "device_time", False) else []
+            _timing(timed, True)
             for r in range(args.repeats):
                 for m in rotated(modes, r):
                     runs[m].append(_loop(engines[m], m, requests, c))
+            device = dict(zip(engines, _timing(timed, False)))
             for m, llm in engines.items():
-                points.append(_point(m, c, requests, runs[m], before[m], _counters(llm)))
+                point = _point(m, c, requests, runs[m], before[m], _counters(llm), device.get(m))
+                points.append(point)
             budget[c] = _budget_state(engines["auto"])
         del engines
         free_memory()
@@ -294,8 +323,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 requests = _requests_for(args, llm, c, request_sets)
                 _warm_up(llm, requests, c)
                 before = _counters(llm)
+                timed = [llm] if getattr(args, "device_time", False) else []
+                _timing(timed, True)
                 loops = [_loop(llm, mode, requests, c) for _ in range(args.repeats)]
-                points.append(_point(mode, c, requests, loops, before, _counters(llm)))
+                device = _timing(timed, False)[0] if timed else None
+                points.append(_point(mode, c, requests, loops, before, _counters(llm), device))
                 if mode == "auto":
                     budget[c] = _budget_state(llm)
             del llm
@@ -473,6 +505,12 @@ def add_sweep_parser(sub: Any) -> None:
         action="store_true",
         help="keep the three engines alive and alternate them within each repeat (needs "
         "memory for three; pass --kv-cache-gb on GPU)",
+    )
+    p.add_argument(
+        "--device-time",
+        action="store_true",
+        help="CUDA: device time of the timed runs by step kind (prompt, drafting, verify, plain), "
+        "from CUDA events around each step",
     )
     p.add_argument(
         "--modes",

@@ -30,7 +30,8 @@ class StepTimeline:
     def __init__(self, device: torch.device) -> None:
         self.enabled = False
         self._cuda = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event | None, str]] = []
+        # (start, end, tag, kind): tag as begun, kind as ended (what the step turned out to be)
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event | None, str, str]] = []
 
     def start(self) -> None:
         """Record the steps launched from now on (clears earlier records)."""
@@ -44,20 +45,32 @@ class StepTimeline:
         if self.enabled:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self._events.append((ev, None, tag))
+            self._events.append((ev, None, tag, tag))
 
-    def end(self) -> None:
+    def end(self, kind: str | None = None) -> None:
         if self.enabled and self._events and self._events[-1][1] is None:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            start, _, tag = self._events[-1]
-            self._events[-1] = (start, ev, tag)
+            start, _, tag, begun = self._events[-1]
+            self._events[-1] = (start, ev, tag, kind or begun)
+
+    def by_kind(self) -> dict[str, tuple[int, float]]:
+        """Steps and their device milliseconds (start event to end event) by the kind each
+        ended as. Waits for the device."""
+        done = [(s, e, k) for s, e, _, k in self._events if e is not None]
+        if done:
+            done[-1][1].synchronize()
+        out: dict[str, tuple[int, float]] = {}
+        for s, e, k in done:
+            n, ms = out.get(k, (0, 0.0))
+            out[k] = (n + 1, ms + s.elapsed_time(e))
+        return out
 
     def summary(self, tag: str | None = None) -> TimelineSummary:
         """Idle time between consecutive recorded steps; with a tag, only steps of that tag and
         gaps between two adjacent ones of it (e.g. the steady decode steps). Waits for the
         device."""
-        done = [(s, e, t) for s, e, t in self._events if e is not None]
+        done = [(s, e, t) for s, e, t, _ in self._events if e is not None]
         if not done:
             return TimelineSummary(0, 0.0, 0.0, 0.0)
         done[-1][1].synchronize()

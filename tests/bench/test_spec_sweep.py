@@ -224,8 +224,9 @@ def test_modes_pair_the_device_split_against_the_hosts(tmp_path, monkeypatch):
     monkeypatch.setattr(spec_sweep, "_closed_loop", spy)
     monkeypatch.setattr(spec_sweep, "_engine", tagged)
     args = _golden_args(tmp_path, concurrency="2", repeats=2, interleave=True, json_path=None)
-    args.modes = "off,auto,host"
+    args.modes, args.device_time = "off,auto,host", True
     report = run_sweep(args)
+    assert all(p["device_by_kind"] is None for p in report["points"])  # CUDA events only
     assert sorted({p["mode"] for p in report["points"]}) == ["auto", "host", "off"]
     timed = seen[3:]  # after the three warm-ups
     assert ("host", False) in timed and ("auto", True) in timed and ("off", True) in timed
