@@ -39,7 +39,9 @@ def test_every_step_is_timed_once_by_its_kind(monkeypatch, spec) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True, golden_token_ids=gold)
     llm.generate([[5, 6, 7], [8, 9, 10, 11]], params, use_tqdm=False)
     kinds = eng.timeline.by_kind()
+    decode = eng.timeline.summary("decode")  # by the tag each step began with
     eng.timeline.stop()
+    assert decode.num_steps == sum(n for k, (n, _) in kinds.items() if k != "prompt")
     assert sum(n for n, _ in kinds.values()) == eng.num_steps - steps
     assert kinds["prompt"][0] >= 1 and all(ms >= 0 for _, ms in kinds.values())
     assert set(kinds) <= {"prompt", "plain", "verify", "drafting"}
