@@ -201,7 +201,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, backend: GraphBackend, progress: bool = True) -> None:
         """One graph per bucket (two for buckets that also serve plain decode steps of a
-        speculative engine), largest first (the shared pool is sized by the first)."""
+        speculative engine), its tails', and with device drafting the device split's, largest
+        first (the shared pool is sized by the first)."""
         for b in tqdm(
             self._buckets[::-1], desc="Capturing CUDA graphs", unit="graph", disable=not progress
         ):
