@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from specserve.model.loader.dummy import PRESETS
+
 SERVE = [sys.executable, "-m", "specserve.cli.main", "serve", "dummy:tiny", "--device", "cpu",
          "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
 
@@ -39,8 +41,14 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 def test_sigterm_drains_then_exits(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # the tiny model with a context long enough that the long requests outlast the drain on
+    # any machine (at 2,048 tokens they once ended inside its second)
+    (tmp_path / "config.json").write_text(
+        json.dumps(PRESETS["tiny"] | {"max_position_embeddings": 65536})
+    )
+    serve = [*SERVE[:4], f"dummy:{tmp_path}", *SERVE[5:]]
     proc = subprocess.Popen(
-        [*SERVE, "--port", str(port), "--shutdown-timeout", "1"],
+        [*serve, "--port", str(port), "--shutdown-timeout", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -53,8 +61,8 @@ def test_sigterm_drains_then_exits(tmp_path):
         def send(name: str, body: dict) -> None:
             out[name] = httpx.post(url + "/v1/completions", json={**base, **body}, timeout=60)
 
-        jobs = {"short": {"max_tokens": 5}, "long": {"max_tokens": 1900},
-                "stream": {"max_tokens": 1900, "stream": True}}  # fmt: skip
+        jobs = {"short": {"max_tokens": 5}, "long": {"max_tokens": 60000},
+                "stream": {"max_tokens": 60000, "stream": True}}  # fmt: skip
         threads = [threading.Thread(target=send, args=kv) for kv in jobs.items()]
         for t in threads:
             t.start()
