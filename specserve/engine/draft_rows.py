@@ -22,13 +22,8 @@ def draft_rows(seq: Sequence, k: int, row_budget: int, max_model_len: int) -> in
         # penalties, bad words, grammars read every token on the host, drafts included: the
         # host never sees a device drafter's drafts, so such a request verifies none
         return 0
-    return max(0, min(k, row_budget - 1, tokens_left(seq, max_model_len) - 1))
-
-
-def tokens_left(seq: Sequence, max_model_len: int) -> int:
-    """Tokens the request may still emit past its drafts in flight, all counted as accepted."""
     n_tokens = seq.num_tokens + seq.num_pending + seq.num_pending_drafts
-    left = max_model_len - n_tokens
+    room = min(k, row_budget - 1, max_model_len - n_tokens)
     if seq.params.max_tokens is not None:
-        left = min(left, seq.params.max_tokens - (n_tokens - seq.num_prompt_tokens))
-    return left
+        room = min(room, seq.params.max_tokens - (n_tokens - seq.num_prompt_tokens) - 1)
+    return max(0, room)

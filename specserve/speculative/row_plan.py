@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specserve import env
-from specserve.engine.draft_rows import draft_rows, tokens_left
+from specserve.engine.draft_rows import draft_rows
 from specserve.engine.sequence import Sequence
 from specserve.runner.sampler_inputs import tail_compatible
 
@@ -31,16 +31,9 @@ def plan_rows(engine: LLMEngine) -> tuple[dict[int, int] | None, int | None]:
     total = None
     if any(keep) and _splits(engine, ready):
         # the budget fixes the total from confidences one step old; the device shares it among
-        # the requests by the newest. A request's room all counts as in flight until the
-        # readback, so one so near its end that this would shrink its next step's room is
-        # offered only the budget's rows for it
+        # the requests by the newest, each offered its room (all counted as in flight)
         total = len(ready) + sum(keep)
-        keep = [
-            (most if tokens_left(s, max_len) >= most + k + 2 else chosen)
-            if dd.drafted[s.slot]
-            else 0
-            for s, most, chosen in zip(ready, room, keep)
-        ]
+        keep = [m if dd.drafted[s.slot] else 0 for s, m in zip(ready, room)]
     return {s.slot: m for s, m in zip(ready, keep)}, total
 
 

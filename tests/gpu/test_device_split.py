@@ -216,37 +216,3 @@ def test_no_host_sync_inside_a_device_split_step(cuda) -> None:
         before = eng.runner.graphs.num_split_runs
         steps_without_host_sync(eng, prompts, params)
     assert eng.runner.graphs.num_split_runs > before
-
-
-def test_a_split_never_shrinks_a_requests_next_room(monkeypatch) -> None:
-    """A split offers a request more rows than the budget chose for it (its room, all counted
-    in flight) only where its next step still has room for k drafts."""
-    from specserve.engine.draft_rows import tokens_left
-    from specserve.speculative import row_plan
-
-    llm = _engine(True, "cpu")
-    eng = llm.engine
-    dd, k = eng.device_drafting, eng.slot_pool.k
-    plans = []  # (tokens left, rows offered, rows the budget chose) per request of split steps
-    allot, plan_rows = dd.allot, row_plan.plan_rows
-
-    def spy(engine):
-        ready = engine.scheduler.decode_ready()
-        left = [tokens_left(s, engine.max_model_len) for s in ready]
-        chosen = []
-        monkeypatch.setattr(dd, "allot", lambda *a: chosen.extend(allot(*a)) or chosen)
-        caps, total = plan_rows(engine)
-        if total is not None:
-            plans.extend(zip(left, (caps[s.slot] for s in ready), chosen))
-        return caps, total
-
-    monkeypatch.setattr("specserve.llm_engine.plan_rows", spy)
-    for i, n in enumerate((40, 9, 7, 40)):  # two requests come near max_tokens early
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, golden_token_ids=GOLD)
-        eng.add_request([5 + i] * 6, sp)
-    with env.override(device_split=True):
-        while eng.has_unfinished():
-            eng.step()
-    assert all(rows == chose or left - (1 + rows) - 1 >= k for left, rows, chose in plans)
-    assert any(rows > chose for _, rows, chose in plans)  # the device had rows to move
-    assert any(left - (1 + k) - 1 < k and rows == chose for left, rows, chose in plans)
