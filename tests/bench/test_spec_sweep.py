@@ -5,8 +5,9 @@ import json
 
 import pytest
 
+from specserve.bench import spec_sweep_checks
 from specserve.bench.common import digest, golden_continuations
-from specserve.bench.spec_sweep import SweepPoint, _checks, run_sweep
+from specserve.bench.spec_sweep import SweepPoint, run_sweep
 from specserve.cli.bench import add_bench_parser
 
 
@@ -19,7 +20,7 @@ def test_checks_flag_a_point_where_auto_loses_to_off():
         SweepPoint("fixed", 8, 8, 80, 1.0, 2.0, 3.0),
         SweepPoint("auto", 8, 8, 97, 1.0, 1.5, 1.0),
     ]
-    checks = _checks(pts, [1, 8])
+    checks = spec_sweep_checks.checks(pts, [1, 8])
     assert not checks["all_ok"]  # at C=8 auto is 3% below off: more than the 2% allowed
     assert "C=1" in checks["lines"][0] and "-> ok" in checks["lines"][0]
 
@@ -36,7 +37,7 @@ def test_checks_judge_ratios_within_each_repeat_not_across_a_drift():
     """The host speeds up between repeats: fixed k's median run is a fast one, auto's a slow
     one (0.842 of fixed), yet auto ran within 2.5 % of fixed k beside it in two of three."""
     pts = _repeats(4, [100, 100, 100], [100, 120, 121], [99, 101, 118])
-    checks = _checks(pts, [4])
+    checks = spec_sweep_checks.checks(pts, [4])
     line = checks["lines"][0]
     # auto / fixed per repeat: 0.990, 0.842, 0.975; auto / off: 0.99, 1.01, 1.18
     assert "paired auto/fixed 0.975 [0.842, 0.990], auto/off 1.010 [0.990, 1.180]" in line
@@ -50,11 +51,11 @@ def test_checks_judge_ratios_within_each_repeat_not_across_a_drift():
 def test_checks_flag_auto_losing_beside_fixed_even_where_the_medians_agree():
     # auto ran 4 % below fixed k in two repeats of three; the medians (118 vs 120) hide it
     pts = _repeats(16, [50, 50, 50], [100, 120, 140], [118, 115, 134])
-    checks = _checks(pts, [16])
+    checks = spec_sweep_checks.checks(pts, [16])
     assert not checks["all_ok"] and "paired auto/fixed 0.958" in checks["lines"][0]
     # and against off on its own: 3 % below off in every repeat (2 % allowed), fixed k far below
     pts = _repeats(64, [100, 110, 120], [60, 66, 72], [97, 106.7, 116.4])
-    assert not _checks(pts, [64])["all_ok"]
+    assert not spec_sweep_checks.checks(pts, [64])["all_ok"]
 
 
 def test_sweep_runs_end_to_end_on_a_tiny_model(tmp_path):
@@ -152,8 +153,10 @@ def test_checks_fail_when_golden_outputs_differ():
         SweepPoint("fixed", 1, 4, 200, 1.0, 3.0, 3.0, 5, "a"),
         SweepPoint("auto", 1, 4, 200, 1.0, 3.0, 3.0, 5, "b"),
     ]
-    assert _checks(pts, [1])["all_ok"]  # greedy outputs may differ with batch shape: info only
-    checks = _checks(pts, [1], outputs_must_match=True)
+    assert spec_sweep_checks.checks(pts, [1])[
+        "all_ok"
+    ]  # greedy outputs may differ with batch shape: info only
+    checks = spec_sweep_checks.checks(pts, [1], outputs_must_match=True)
     assert not checks["all_ok"] and "DIFFER" in checks["lines"][0]
     assert checks["outputs_identical"] == {1: False}
 
@@ -191,7 +194,8 @@ def test_quantization_reaches_every_modes_engine():
 
 
 def test_interleaved_repeats_rotate_the_order_of_the_modes():
-    from specserve.bench.spec_sweep import MODES, rotated
+    from specserve.bench.spec_sweep import rotated
+    from specserve.bench.spec_sweep_checks import MODES
 
     orders = [rotated(MODES, r) for r in range(6)]
     assert orders[0] == MODES and orders[3] == MODES
