@@ -48,7 +48,8 @@ class SweepPoint:
     # steps carrying prompt rows (eager on CUDA): speculation spreads the requests' ends, hence
     # the admissions behind them, over more steps
     prompt_steps_per_run: float = 0.0
-    # --device-time (CUDA): per step kind (runner/timeline.py), [steps a run, device ms a step]
+    # --device-time (CUDA): per step kind (runner/timeline.py), [steps a run, device ms a step,
+    # host ms a step from its launch to the next one's]
     device_by_kind: dict[str, list[float]] | None = None
 
     @property
@@ -202,7 +203,7 @@ def _point(
     runs: list[LoopResult],
     before: tuple[int, ...],
     after: tuple[int, ...],
-    device: dict[str, tuple[int, float]] | None = None,
+    device: dict[str, tuple[int, float, float]] | None = None,
 ) -> SweepPoint:
     """One (mode, concurrency) point from its timed runs: the median run, with acceptance and
     verify rows over all of them."""
@@ -224,7 +225,8 @@ def _point(
     )
     if device is not None:
         point.device_by_kind = {
-            kind: [n / len(runs), ms / n] for kind, (n, ms) in sorted(device.items())
+            kind: [n / len(runs), ms / n, wall / n]
+            for kind, (n, ms, wall) in sorted(device.items())
         }
     print(
         f"{mode:>5}  C={c:<4} {point.tok_s:8.1f} tok/s  acceptance length "
@@ -235,13 +237,16 @@ def _point(
     )
     if point.device_by_kind:
         kinds = ", ".join(
-            f"{k} {n:.1f} x {ms:.2f} ms" for k, (n, ms) in point.device_by_kind.items()
+            f"{k} {n:.1f} x {ms:.2f} / {wall:.2f} ms"
+            for k, (n, ms, wall) in point.device_by_kind.items()
         )
-        print(f"       device time a run by step kind: {kinds}", flush=True)
+        print(
+            f"       a run by step kind, steps x device / launch-to-launch ms: {kinds}", flush=True
+        )
     return point
 
 
-def _timing(engines: list, on: bool) -> list[dict[str, tuple[int, float]] | None]:
+def _timing(engines: list, on: bool) -> list[dict[str, tuple[int, float, float]] | None]:
     """--device-time: start each engine's step timeline (on) or stop it and read it."""
     out: list[dict[str, tuple[int, float]] | None] = []
     for llm in engines:

@@ -9,6 +9,7 @@ between the two steps. Off by default (no events, no cost); CUDA only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +33,12 @@ class StepTimeline:
         self._cuda = device.type == "cuda"
         # (start, end, tag, kind): tag as begun, kind as ended (what the step turned out to be)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event | None, str, str]] = []
+        self._launched: list[float] = []  # host clock at each begin()
 
     def start(self) -> None:
         """Record the steps launched from now on (clears earlier records)."""
         self.enabled = self._cuda
-        self._events = []
+        self._events, self._launched = [], []
 
     def stop(self) -> None:
         self.enabled = False
@@ -46,6 +48,7 @@ class StepTimeline:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._events.append((ev, None, tag, tag))
+            self._launched.append(time.perf_counter())
 
     def end(self, kind: str | None = None) -> None:
         if self.enabled and self._events and self._events[-1][1] is None:
@@ -54,16 +57,19 @@ class StepTimeline:
             start, _, tag, begun = self._events[-1]
             self._events[-1] = (start, ev, tag, kind or begun)
 
-    def by_kind(self) -> dict[str, tuple[int, float]]:
-        """Steps and their device milliseconds (start event to end event) by the kind each
-        ended as. Waits for the device."""
-        done = [(s, e, k) for s, e, _, k in self._events if e is not None]
+    def by_kind(self) -> dict[str, tuple[int, float, float]]:
+        """Per kind each step ended as: its steps, their device milliseconds (start event to end
+        event) and their host milliseconds from launch to the next step's launch (the step's
+        share of the run's wall time; the last step has none). Waits for the device."""
+        done = [(i, s, e, k) for i, (s, e, _, k) in enumerate(self._events) if e is not None]
         if done:
-            done[-1][1].synchronize()
-        out: dict[str, tuple[int, float]] = {}
-        for s, e, k in done:
-            n, ms = out.get(k, (0, 0.0))
-            out[k] = (n + 1, ms + s.elapsed_time(e))
+            done[-1][2].synchronize()
+        out: dict[str, tuple[int, float, float]] = {}
+        t = self._launched
+        for i, s, e, k in done:
+            n, ms, wall = out.get(k, (0, 0.0, 0.0))
+            gap = (t[i + 1] - t[i]) * 1e3 if i + 1 < len(t) else 0.0
+            out[k] = (n + 1, ms + s.elapsed_time(e), wall + gap)
         return out
 
     def summary(self, tag: str | None = None) -> TimelineSummary:

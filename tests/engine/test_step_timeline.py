@@ -41,8 +41,9 @@ def test_every_step_is_timed_once_by_its_kind(monkeypatch, spec) -> None:
     kinds = eng.timeline.by_kind()
     decode = eng.timeline.summary("decode")  # by the tag each step began with
     eng.timeline.stop()
-    assert decode.num_steps == sum(n for k, (n, _) in kinds.items() if k != "prompt")
-    assert sum(n for n, _ in kinds.values()) == eng.num_steps - steps
-    assert kinds["prompt"][0] >= 1 and all(ms >= 0 for _, ms in kinds.values())
+    assert decode.num_steps == sum(n for k, (n, _, _) in kinds.items() if k != "prompt")
+    assert sum(n for n, _, _ in kinds.values()) == eng.num_steps - steps
+    assert kinds["prompt"][0] >= 1 and all(ms >= 0 for _, ms, _ in kinds.values())
+    assert all(wall > 0 for _, _, wall in kinds.values())  # launch to launch, host clock
     assert set(kinds) <= {"prompt", "plain", "verify", "drafting"}
     assert ("verify" in kinds) == (spec is not None) and "drafting" not in kinds
