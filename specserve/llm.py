@@ -376,10 +376,10 @@ class LLM:
             "verify_budget_seqlens_q": b.seqlens_q(),  # query length -> requests given it
             "verify_budget_expected_accepted_tokens": b.expected_accepted,
             "step_cost_curve": b.curve.points(),  # (bucket rows, seconds) as priced now
-            # a model drafter's: plans that drafted / did not, and its drafting steps' curve
+            # a model drafter's: plans that drafted / did not, and what drafting adds to a step
             "verify_budget_drafting_steps": b.num_drafting_steps,
             "verify_budget_plain_steps": b.num_plain_steps,
-            "drafting_step_cost_curve": b.drafting.points() if b.drafting else None,
+            "verify_budget_drafting_seconds": b.chain_seconds() if b.drafting else None,
         }
 
     def get_metrics(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class LLMEngine:
         self.num_prompt_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched
-        self._last_readback: float | None = None  # of the last step read back (_time_step)
+        self._last_readback: float | None = None  # of the last step read back (_step_seconds)
         # the model, KV cache, runner, speculation, scheduler and ledger (engine_build.py)
         build(self, config, progress)
 
@@ -323,32 +323,32 @@ class LLMEngine:
         host = launched.sampled.wait() if launched.sampled is not None else None
         if self.tp:
             self.tp.check_alive()  # a step a worker died in is not trusted (CUDA: aborted NCCL)
-        if self.budget is not None:
-            self._time_step(launched)
-            if launched.from_drafts and host is not None:
-                rows = launched.rows or sum(
-                    1 + m for m, sm in zip(batch.num_drafts, batch.samples) if sm
-                )
+        if self.budget is not None and (seconds := self._step_seconds(launched)) is not None:
+            rows = launched.rows or batch.num_rows
+            if not (launched.from_drafts and launched.drafted):
+                self.budget.observe_step(rows, seconds)
+            elif host is not None:  # a steady drafting step of a model drafter
                 n = len(host.num_accepted)
-                self.budget.observe_yield(n, n + sum(host.num_accepted), rows)
+                self.budget.observe_drafting(n, n + sum(host.num_accepted), rows, seconds)
         if self.speculator is not None and host is not None:
             host = self.speculator.observe(batch, seqs, host)
         if self.device_drafting is not None and host is not None:
             self.device_drafting.observe(seqs, host, launched.drafted)
         return host
 
-    def _time_step(self, launched: LaunchedStep) -> None:
-        """The verify budget's curve learns what a decode/verify step costs the run: the time
-        between its readback and the previous one, i.e. its device time plus the host work of a
-        step that overlap does not hide (ledger, drafting, scheduling). The first step after
-        the engine was idle has no such period: its launch-to-readback. Prompt chunks cost far
-        less per row: left out. Nor is a step read back after the engine went idle (step())."""
+    def _step_seconds(self, launched: LaunchedStep) -> float | None:
+        """What a decode/verify step cost the run, for the verify budget: the time between its
+        readback and the previous one, i.e. its device time plus the host work of a step that
+        overlap does not hide (ledger, drafting, scheduling). The first step after the engine
+        was idle has no such period: its launch-to-readback. None for a step the budget does
+        not learn from: prompt chunks cost far less per row, and a model drafter's switch
+        between drafting and plain steps is neither (LaunchedStep.timed). Nor is a step read
+        back after the engine went idle (step())."""
         now = time.perf_counter()
         last, self._last_readback = self._last_readback, now
-        if launched.timed and launched.batch.is_decode_shaped:
-            start = last if last is not None else launched.t0
-            rows = launched.rows or launched.batch.num_rows
-            self.budget.observe_step(rows, now - start, launched.drafted)
+        if not (launched.timed and launched.batch.is_decode_shaped):
+            return None
+        return now - (last if last is not None else launched.t0)
 
     def _commit(
         self,

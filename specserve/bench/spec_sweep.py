@@ -359,7 +359,7 @@ def _budget_state(llm) -> dict[str, Any]:
         "verify_budget_seqlens_q",
         "verify_budget_drafting_steps",
         "verify_budget_plain_steps",
-        "drafting_step_cost_curve",
+        "verify_budget_drafting_seconds",
     )
     return {k: m.get(k) for k in keys}
 

@@ -297,7 +297,7 @@ class DeviceDrafting:
         a model drafter's: also whether that step drafts (drafting_now)."""
         slots = [s.slot for s in ready]
         surv = survivals(self.host_conf[slots])
-        if budget.drafting is None or not ready:
+        if not budget.drafting or not ready:
             return budget.allot(surv, len(ready), room)
         may = all(self.drafted[s.slot] or not s.num_pending_drafts for s in ready)
         plan = budget.plan(surv, len(ready), room, self.drafted[slots], may)

@@ -31,8 +31,7 @@ SWEEP_CONTEXT = 128  # context tokens per synthetic request
 
 class MachineSpeed:
     """Seconds over price on recent steps of priced buckets: real steps are kept divided by it,
-    so a bucket measured in a slow minute keeps its price relative to the others. Shared by
-    twin curves."""
+    so a bucket measured in a slow minute keeps its price relative to the others."""
 
     def __init__(self) -> None:
         self._ratios: deque[float] = deque(maxlen=WINDOW)
@@ -50,7 +49,6 @@ class StepCostCurve:
         buckets: list[int],
         startup: list[float],
         padded: bool,
-        speed: MachineSpeed | None = None,
     ) -> None:
         assert buckets == sorted(set(buckets)) and len(startup) == len(buckets)
         self.buckets = np.asarray(buckets, dtype=np.int64)
@@ -60,15 +58,11 @@ class StepCostCurve:
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
-        self._speed = speed if speed is not None else MachineSpeed()
+        self._speed = MachineSpeed()
 
     @property
     def speed(self) -> float:
         return self._speed.value
-
-    def twin(self) -> StepCostCurve:
-        """Same buckets, start-up prices and machine speed; its own real steps."""
-        return StepCostCurve(self.buckets.tolist(), self.startup.tolist(), self.padded, self._speed)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A real decode/verify step of `rows` total rows took `seconds`."""

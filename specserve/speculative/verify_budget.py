@@ -4,11 +4,12 @@ Survival a[i][j] = prod_{m <= j} c[i][m] estimates that draft j of request i is 
 of base_rows rows plus M draft rows yields n + (their survivals) tokens in expectation and costs
 step_time(base_rows + M); `choose` keeps the M of the best rate, its rows the M largest
 survivals (a prefix per request). M = 0 is a plain step. A model drafter drafting on the device
-also chooses whether to draft at all (`VerifyBudget.plan`). docs/verify_budget.md has the why.
+also chooses whether to draft at all (`VerifyBudget.plan`), by what its drafting steps realized. docs/verify_budget.md has the why.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,19 +77,17 @@ def choose(
 
 
 class VerifyBudget:
-    def __init__(
-        self, curve: StepCostCurve, max_rows: int, drafting: StepCostCurve | None = None
-    ) -> None:
+    def __init__(self, curve: StepCostCurve, max_rows: int, drafting: bool = False) -> None:
         self.curve, self.max_rows = curve, max_rows
-        # steps whose model drafter drafts; None: drafting is not a choice
-        self.drafting = drafting
+        self.drafting = drafting  # a model drafter on the device: drafting itself is a choice
         self.num_drafting_steps = 0  # plans that drafted
         self.num_plain_steps = 0  # plans that did not
         self._plain_run = 0  # plans since the last that drafted
         self._backoff = 1  # the exploration interval, in EXPLORE_EVERY, while drafting loses
         self._exploring = False  # drafting to measure its yield afresh
-        # (requests, tokens, rows) of recent steps that verified a drafting step's drafts
-        self._yield: deque[tuple[int, int, int]] = deque(maxlen=WINDOW)
+        # recent steady drafting steps: (requests, tokens, seconds, seconds past the curve's
+        # price of their rows: the drafter's chain and its host work)
+        self._yield: deque[tuple[int, int, float, float]] = deque(maxlen=WINDOW)
         self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
         self.chosen_rows = 0  # draft rows it chose
         self.expected_accepted = 0.0  # the survivals of the kept drafts
@@ -104,26 +103,35 @@ class VerifyBudget:
         )
         curve = startup_curve(engine, capture_sizes(rows), cache_root)
         dd = engine.device_drafting
-        drafting = curve.twin() if dd is not None and dd.model_drafter is not None else None
-        return cls(curve, engine.max_num_batched_tokens, drafting)
+        return cls(
+            curve, engine.max_num_batched_tokens, dd is not None and dd.model_drafter is not None
+        )
 
-    def observe_step(self, total_q: int, seconds: float, drafted: bool = True) -> None:
-        """A real decode/verify step; `drafted`: its model drafter drafted in it."""
-        self.curve_of(drafted).observe(total_q, seconds)
+    def observe_step(self, total_q: int, seconds: float) -> None:
+        """A real decode/verify step that did not draft with a model drafter."""
+        self.curve.observe(total_q, seconds)
 
-    def observe_yield(self, requests: int, tokens: int, rows: int) -> None:
-        """A real step that verified the drafts a drafting step made for its requests: the
-        tokens they emitted and the rows they took (anchors + drafts)."""
-        self._yield.append((requests, tokens, rows))
+    def observe_drafting(self, requests: int, tokens: int, rows: int, seconds: float) -> None:
+        """A real steady drafting step (it drafted, and verified what the drafting step before
+        it made for its requests): the tokens they emitted, its rows (anchors + drafts) and its
+        seconds."""
+        self._yield.append((requests, tokens, seconds, seconds - self.curve(rows)))
 
-    def drafting_pays(self, n: int) -> bool:
-        """Does steady drafting beat plain decoding for n requests, by its recent yield per
-        request (tokens, rows) on the two curves? Unmeasured: yes (tried, then measured)."""
+    def chain_seconds(self) -> float:
+        """What drafting adds to a step, by the recent drafting steps: their median seconds
+        past the curve's price of their rows (0 before any)."""
+        return max(0.0, statistics.median(y[3] for y in self._yield)) if self._yield else 0.0
+
+    def drafting_pays(self) -> bool:
+        """Did the recent drafting steps emit more tokens a second than plain steps of the same
+        requests would (the curve's price of their request counts)? Measured, not priced: a
+        drafting step's cost grows with its requests (the chain runs for each), which the
+        curve's rows do not see. Unmeasured: yes (tried, then measured)."""
         if not self._yield:
             return True
-        reqs, tokens, rows = (sum(col) for col in zip(*self._yield))
-        per_step = self.drafting(max(n, round(n * rows / reqs)))
-        return n * tokens / reqs / per_step > n / self.curve(n)
+        reqs, tokens, seconds, _ = zip(*self._yield)
+        plain = float(self.curve.times(np.asarray(reqs)).sum())
+        return sum(tokens) / sum(seconds) > sum(reqs) / plain
 
     def plan(
         self,
@@ -136,12 +144,11 @@ class VerifyBudget:
         """A model drafter's step: whether it drafts (drafting_pays, or exploring: after
         EXPLORE_EVERY * backoff plain plans, drafting until SWEEP_REPS steps verified drafts;
         backoff doubles while drafting loses) and the drafts each request verifies of those it
-        has (has_drafts [n]) on the curve of the step's kind. may_draft: no request would catch
-        up behind drafts still in flight."""
-        assert self.drafting is not None
+        has (has_drafts [n]), a drafting step priced as the curve's plus chain_seconds()."""
+        assert self.drafting
         if self._exploring and len(self._yield) >= SWEEP_REPS:
             self._exploring = False
-        want = self._exploring or self.drafting_pays(base_rows)
+        want = self._exploring or self.drafting_pays()
         if want and not self._exploring:
             self._backoff = 1
         elif not want and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff:
@@ -153,24 +160,23 @@ class VerifyBudget:
         self.num_drafting_steps += draft
         self.num_plain_steps += not draft
         held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], _in_room(surv, room), 0.0)
-        return StepPlan(self.allot(held, base_rows, curve=self.curve_of(draft)), draft)
-
-    def curve_of(self, drafted: bool) -> StepCostCurve:
-        return self.drafting if drafted and self.drafting is not None else self.curve
+        chain = self.chain_seconds() if draft else 0.0
+        return StepPlan(
+            self.allot(held, base_rows, times=lambda r: self.curve.times(r) + chain), draft
+        )
 
     def allot(
         self,
         surv: np.ndarray,
         base_rows: int,
         room: Sequence[int] | None = None,
-        curve: StepCostCurve | None = None,
+        times: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> list[int]:
         """The drafts each request verifies: choose() against the curve (the step priced as
-        these requests' decode step: prompt chunks beside it run anyway), exploration, metrics."""
+        these requests' decode step: prompt chunks beside it run anyway; `times`: another
+        price), exploration, metrics."""
         surv = _in_room(surv, room)
-        keep = choose(
-            surv, base_rows, (curve or self.curve).times, self.max_rows
-        ).num_verify.tolist()
+        keep = choose(surv, base_rows, times or self.curve.times, self.max_rows).num_verify.tolist()
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
             self._explore(surv, keep, base_rows)

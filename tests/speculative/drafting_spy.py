@@ -13,7 +13,7 @@ def coin_drafting(llm, seed: int, p: float = 0.5, verify: bool = True) -> list[b
     (verify=False: none, so a run drafts at every length); returns the choices made (where
     it might have drafted)."""
     budget, k = llm.engine.budget, llm.engine.slot_pool.k
-    assert budget is not None and budget.drafting is not None
+    assert budget is not None and budget.drafting
     rng, choices = random.Random(seed), []
 
     def plan(surv, base_rows, room, has_drafts, may_draft) -> StepPlan:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.runner.device_split import split_rows
-from specserve.speculative.step_cost import SWEEP_REPS
+from specserve.speculative.step_cost import WINDOW
 from specserve.speculative.verify_budget import EXPLORE_EVERY, VerifyBudget, choose, survivals
 from tests.speculative.conftest import conf_matrix, curve_of
 
@@ -194,16 +194,13 @@ def test_the_engine_verifies_no_draft_of_zero_confidence_and_sure_ones_at_batch_
 
 
 def _model_budget() -> VerifyBudget:
-    """A budget whose plain steps are priced 1 + 0.01 rows and whose drafting curve starts
-    at the plain prices, as the engine's."""
-    curve = curve_of(BUCKETS, lambda b: 1.0 + 0.01 * b, padded=True)
-    return VerifyBudget(curve, max_rows=32, drafting=curve.twin())
+    """A model drafter's budget whose steps are priced 1 + 0.01 rows."""
+    return VerifyBudget(curve_of(BUCKETS, lambda b: 1.0 + 0.01 * b, padded=True), 32, True)
 
 
 def _plans(budget: VerifyBudget, conf: float, steps: int, extra: float, may: bool = True):
-    """Plans of 4 requests at confidence conf, each step then run and timed on its curve, the
-    drafts it verifies accepted as their survivals say (its yield, when a drafting step made
-    them)."""
+    """Plans of 4 requests at confidence conf, each step then run and timed (a drafting step
+    dearer by `extra`), the drafts it verifies accepted as their survivals say."""
     surv = survivals(np.full((4, 3), conf))
     has = np.zeros(4, dtype=bool)
     out = []
@@ -211,10 +208,12 @@ def _plans(budget: VerifyBudget, conf: float, steps: int, extra: float, may: boo
         plan = budget.plan(surv, 4, [3] * 4, has, may)
         rows = 4 + sum(plan.keep)
         assert all(k == 0 for k, h in zip(plan.keep, has) if not h)  # only drafts it has
-        if has.all():
+        seconds = 1.0 + 0.01 * rows + extra * plan.draft
+        if has.all() and plan.draft:  # a steady drafting step
             accepted = sum(surv[i, :m].sum() for i, m in enumerate(plan.keep))
-            budget.observe_yield(4, 4 + round(accepted), rows)
-        budget.observe_step(rows, 1.0 + 0.01 * rows + extra * plan.draft, plan.draft)
+            budget.observe_drafting(4, 4 + round(accepted), rows, seconds)
+        elif not plan.draft:
+            budget.observe_step(rows, seconds)
         has[:] = plan.draft
         out.append(plan)
     return out
@@ -234,15 +233,33 @@ def _plain_runs(plans) -> list[int]:
 def test_drafting_is_chosen_when_it_pays_and_real_steps_correct_a_wrong_start():
     """Confident drafts and a chain that costs little: every step drafts and verifies its
     drafts. A chain dearer than its drafts yield: the optimistic start drafts, its real steps
-    price the drafting curve, and from then on drafting only re-measures its yield, ever more
-    rarely."""
+    measure what it yields a second, and from then on drafting only re-measures that, ever
+    more rarely."""
     cheap = _plans(_model_budget(), 0.9, 40, extra=0.1)
     assert all(p.draft for p in cheap) and all(sum(p.keep) > 0 for p in cheap[1:])
     dear = _plans(_model_budget(), 0.9, 400, extra=5.0)
     first_plain = next(i for i, p in enumerate(dear) if not p.draft)
-    # the buckets it drafts in (the first step's, then with its drafts) priced: a warm-up each
-    assert 0 < first_plain <= 2 * (1 + SWEEP_REPS) + 1
+    assert first_plain == 2  # the first steady drafting step measured it
     assert sum(p.draft for p in dear[first_plain:]) < 0.1 * (400 - first_plain)
+
+
+@pytest.mark.parametrize("requests", [4, 64])
+def test_a_drafting_step_is_priced_by_what_it_cost_not_by_its_rows(requests):
+    """A drafter's chain runs for every request, so a drafting step of many requests costs
+    more than the curve's price of its rows, which sees only the target's rows (the curve of
+    a few requests' verify rows). With the yield of 1.8 tokens a request, drafting pays where
+    its steps cost 1.5x a plain one (4 requests) and not where they cost 2.5x (64); the
+    drafting steps' rows are priced as allot then sees them: the curve plus the measured
+    excess."""
+    budget = VerifyBudget(curve_of(BUCKETS, lambda b: 1.0 + 0.01 * b, padded=True), 400, True)
+    budget.curve.observe = lambda rows, seconds: None  # the start-up prices stay
+    plain = budget.curve(requests)
+    for _ in range(WINDOW):
+        cost = (1.5 if requests == 4 else 2.5) * plain
+        budget.observe_drafting(requests, round(1.8 * requests), 2 * requests, cost)
+    assert budget.drafting_pays() == (requests == 4)
+    excess = budget.chain_seconds()
+    assert excess == pytest.approx(cost - budget.curve(2 * requests))
 
 
 def test_zero_confidence_drafts_only_to_explore_and_ever_more_rarely():
