@@ -50,6 +50,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="per-step mode: speculation as JSON (golden requests get random golden ids)",
     )
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="per-step mode: each profiled step also admits a new --input-len prompt (a prompt "
+        "chunk beside the decoding batch), profiled on the host too (cProfile)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
@@ -169,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        max_num_seqs=max(args.batch, 2),
+        max_num_seqs=max(args.batch, 2) + (3 * args.steps if args.mixed else 0),
         # the attention's split-KV count follows max_model_len under graphs: pass the served one
         max_model_len=args.max_model_len or args.input_len + 64 + (2 + k) * args.steps,
         enforce_eager=not args.graphs,
@@ -181,25 +187,48 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     out_len = 40 + 2 * args.steps  # warm-up, the timed steps, the profiled steps
-    for _ in range(args.batch):
+
+    def add() -> None:
         prompt = [rng.randrange(3, vocab) for _ in range(args.input_len)]
         gold = None
         if spec is not None and spec.method == "golden":
             gold = [rng.randrange(3, vocab) for _ in range(out_len * (1 + k))]
         sp = SamplingParams(max_tokens=out_len * (1 + k), ignore_eos=True, golden_token_ids=gold)
         eng.add_request(prompt, sp)
+
+    def step() -> None:
+        if args.mixed:
+            add()
+        eng.step()
+
+    for _ in range(args.batch):
+        add()
     for _ in range(30):  # prefill and warm decode steps
         eng.step()
+    for _ in range(args.steps if args.mixed else 0):  # mixed steps' shapes met once
+        step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()  # the same steps' wall time, unprofiled: host-bound or not
     for _ in range(args.steps):
-        eng.step()
+        step()
     torch.cuda.synchronize()
     wall_us = 1e6 * (time.perf_counter() - t0) / args.steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            eng.step()
+            step()
         torch.cuda.synchronize()
+    if args.mixed:  # where the host's time goes
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        host.disable()
+        pstats.Stats(host).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(host).sort_stats("cumulative").print_stats(args.top)
     eng.fail_all()
     totals, counts = _kernel_totals(prof)
     step_us = sum(totals.values()) / args.steps

@@ -264,7 +264,9 @@ def _loop(llm, mode: str, requests: list, c: int) -> LoopResult:
     from specserve import env
 
     with env.override(device_split=env.settings.device_split and mode != HOST):
-        return _closed_loop(llm, requests, c)
+        run = _closed_loop(llm, requests, c)
+    llm.engine.timeline.idle()
+    return run
 
 
 def rotated(modes: tuple[str, ...], r: int) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,12 +34,15 @@ class StepTimeline:
         self._cuda = device.type == "cuda"
         # (start, end, tag, kind): tag as begun, kind as ended (what the step turned out to be)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event | None, str, str]] = []
-        self._launched: list[float] = []  # host clock at each begin()
+        # host clock at each begin(), and where the engine went idle (idle()): a step's host
+        # span ends at the next of either
+        self._launched: list[float] = []
+        self._idle: list[float] = []
 
     def start(self) -> None:
         """Record the steps launched from now on (clears earlier records)."""
         self.enabled = self._cuda
-        self._events, self._launched = [], []
+        self._events, self._launched, self._idle = [], [], []
 
     def stop(self) -> None:
         self.enabled = False
@@ -57,18 +61,26 @@ class StepTimeline:
             start, _, tag, begun = self._events[-1]
             self._events[-1] = (start, ev, tag, kind or begun)
 
+    def idle(self) -> None:
+        """The engine has no more work for now: the last step's host span ends here, not at the
+        next launch (the runs of a benchmark that interleaves engines)."""
+        if self.enabled:
+            self._idle.append(time.perf_counter())
+
     def by_kind(self) -> dict[str, tuple[int, float, float]]:
         """Per kind each step ended as: its steps, their device milliseconds (start event to end
-        event) and their host milliseconds from launch to the next step's launch (the step's
-        share of the run's wall time; the last step has none). Waits for the device."""
+        event) and their host milliseconds from launch to the next step's launch or idle() (the
+        step's share of the run's wall time). Waits for the device."""
         done = [(i, s, e, k) for i, (s, e, _, k) in enumerate(self._events) if e is not None]
         if done:
             done[-1][2].synchronize()
         out: dict[str, tuple[int, float, float]] = {}
-        t = self._launched
+        t, idle = self._launched, np.asarray(self._idle)
         for i, s, e, k in done:
             n, ms, wall = out.get(k, (0, 0.0, 0.0))
-            gap = (t[i + 1] - t[i]) * 1e3 if i + 1 < len(t) else 0.0
+            ends = [t[i + 1]] if i + 1 < len(t) else []
+            ends += idle[idle > t[i]][:1].tolist()
+            gap = (min(ends) - t[i]) * 1e3 if ends else 0.0
             out[k] = (n + 1, ms + s.elapsed_time(e), wall + gap)
         return out
 
