@@ -129,7 +129,8 @@ class Launcher:
         defer = overlap and behind and reads_tokens_in_flight(seqs)
         worker = eng._worker if overlap else None
         # the common shape samples inside the bucket's graph, behind its forward (graph_tail.py)
-        tail = eng.runner.graphs.tail if isinstance(inputs, BucketStep) else None
+        decode_bucket = isinstance(inputs, BucketStep) and not inputs.bucket.mixed
+        tail = eng.runner.graphs.tail if decode_bucket else None
         if tail is not None and worker is None and seqs and draft_q is None and not defer:
             if dd is None:
                 inputs.tail = not inputs.split and pack_tail(seqs, drafts, inputs.tail_views())

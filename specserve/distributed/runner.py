@@ -75,6 +75,7 @@ class TPModelRunner(ModelRunner):
         progress: bool = True,
         backend: GraphBackend | None = None,
         drafting: None = None,  # device drafting is off under TP
+        max_mixed_rows: int = 0,  # steps with prompt chunks run eager under TP
     ) -> None:
         # captures run the model (and its all-reduces) directly: every rank captures the same
         # buckets in the same order

@@ -10,7 +10,14 @@ only (padding rows cost no vocab-wide GEMM, and no [Tmax, V] fp32 logits buffer 
 allocated). A step of the common shape samples in a second graph instead (graph_tail.py): its
 lm_head covers the bucket's Tb rows (at most 15 padding rows past T: little beside T rows),
 so the shared graph pool holds [Tmax, V] fp32 logits (263 MB at 512 rows of a 128k
-vocabulary). Other steps run eager.
+vocabulary).
+
+A step with a prompt chunk (mixed: some rows want no logits, a request may have any number of
+rows) runs as the graph of a mixed bucket (bucket_layout.mixed_sizes): the same layout, its
+attention launched for any rows per request (max_query_len = the bucket's rows); the lm_head
+runs eagerly on the rows that want logits. Eager, such a step is ~30 x 10 kernel launches at
+~50 us of host time each (Triton's launcher, cuBLAS): ~20 ms on the 135M shape, 15 x its
+device time. Steps past the largest mixed bucket, and steps scoring prompt logprobs, run eager.
 
 The graph key is the number of rows, not requests x k: the layout is flat (DESIGN.md), so a
 bucket of 24 rows serves 24 decodes or 6 requests verifying 3 drafts alike.
@@ -36,7 +43,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
-from specserve.runner.bucket_layout import BucketLayout, capture_sizes, pack_tables
+from specserve.ops.transfer import h2d
+from specserve.runner.bucket_layout import BucketLayout, capture_sizes, mixed_sizes, pack_tables
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 from specserve.runner.device_split import SplitRows, lay_out_split
 from specserve.runner.graph_tail import GraphTail, SampledTail, TailDrafting, TailViews
@@ -98,6 +106,7 @@ class _Bucket:
     # speculative engine (the verify budget keeping no drafts at high load) costs what it costs
     # in an engine without a drafter. Only buckets a decode step can fill (<= max_num_seqs rows).
     decode_replay: Callable[[], None] | None = None
+    mixed: bool = False  # a mixed bucket: any rows per request, logits of some rows
 
     @property
     def rows(self) -> int:
@@ -118,6 +127,7 @@ class BucketStep:
     # the most, the device choosing within num_rows in all (device_split.py)
     seqlens_q: list[int] | None = None
     split: bool = False
+    logit_rows: torch.Tensor | None = None  # a mixed step's: [N] int64 rows that want logits
 
     def tail_views(self) -> TailViews:
         """Numpy views of packed's tail section (sampler_inputs.pack_tail fills them)."""
@@ -141,6 +151,7 @@ class DecodeGraphs:
         rejected: torch.Tensor,  # [slots + 1] int64, the draft slot pool's
         tail: bool = False,  # capture each bucket's sampling tail too (graph_tail.py)
         drafting: TailDrafting | None = None,  # ... and one for device-drafted steps
+        max_mixed_rows: int = 0,  # the most rows of a mixed step (0: mixed steps run eager)
     ) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.next_tokens = next_tokens
@@ -157,17 +168,21 @@ class DecodeGraphs:
         self.num_verify_replays = 0  # replays with some request verifying drafts
         self.num_decode_variant_replays = 0  # plain decode steps through a decode-shaped graph
         self.num_eager_runs = 0
+        self.mixed_sizes = mixed_sizes(max_mixed_rows)
         layouts = [BucketLayout(t, min(t, max_num_seqs), self.width) for t in self.sizes]
-        nbytes = max(lay.max_bytes for lay in layouts)
+        mixed = [BucketLayout(t, min(t, max_num_seqs), self.width) for t in self.mixed_sizes]
+        nbytes = max(lay.max_bytes for lay in layouts + mixed)
         pin = device.type == "cuda"
         # Plain (not inference-mode) tensors: writable inside and outside inference mode.
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         # two staging buffers used in turn: filling one never waits for the copy of the other
         self._host = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._turn = 0
-        self._bt = torch.zeros(layouts[-1].reqs, self.width, dtype=torch.int32, device=device)
+        reqs = max(lay.reqs for lay in layouts + mixed)
+        self._bt = torch.zeros(reqs, self.width, dtype=torch.int32, device=device)
         # The graphs end at the final norm: the lm_head runs eagerly on the step's T rows.
-        self._hidden = torch.zeros(self.sizes[-1], hidden_size, dtype=dtype, device=device)
+        rows = max(self.sizes + self.mixed_sizes)
+        self._hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         # set once the H2D copy that reads each pinned staging buffer has run
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._buckets = []
@@ -175,6 +190,11 @@ class DecodeGraphs:
             views = lay.split(self._dev, torch.int64, torch.int32)
             tail_views = lay.split_tail(self._dev, torch.int64, torch.float32)
             self._buckets.append(_Bucket(lay, min(t, max_rows_per_seq), *views, tail_views))
+        self._mixed = []
+        for lay in mixed:
+            views = lay.split(self._dev, torch.int64, torch.int32)
+            tail_views = lay.split_tail(self._dev, torch.int64, torch.float32)
+            self._mixed.append(_Bucket(lay, lay.rows, *views, tail_views, mixed=True))
         self.tail: GraphTail | None = None
         if tail:
             self.tail = GraphTail(
@@ -191,6 +211,7 @@ class DecodeGraphs:
         self.num_tail_runs = 0
         self.num_drafted_tail_runs = 0  # of those, device-drafted steps
         self.num_split_runs = 0  # of those, device-split steps
+        self.num_mixed_runs = 0  # steps through a mixed bucket (replayed or eager)
         self._keepalive: list[torch.Tensor] = []
 
     @property
@@ -201,11 +222,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self, backend: GraphBackend, progress: bool = True) -> None:
         """One graph per bucket (two for buckets that also serve plain decode steps of a
-        speculative engine), its tails', and with device drafting the device split's, largest
-        first (the shared pool is sized by the first)."""
-        for b in tqdm(
-            self._buckets[::-1], desc="Capturing CUDA graphs", unit="graph", disable=not progress
-        ):
+        speculative engine), its tails', and with device drafting the device split's; the mixed
+        buckets' first, largest first (the shared pool is sized by the first)."""
+        buckets = self._mixed[::-1] + self._buckets[::-1]
+        for b in tqdm(buckets, desc="Capturing CUDA graphs", unit="graph", disable=not progress):
             self._fill_padding(b)
 
             def run(b: _Bucket = b, decode: bool = False) -> None:
@@ -243,7 +263,7 @@ class DecodeGraphs:
             x.zero_()
 
     def _has_decode_variant(self, b: _Bucket) -> bool:
-        return b.max_query_len > 1 and b.rows <= self.max_num_seqs
+        return not b.mixed and b.max_query_len > 1 and b.rows <= self.max_num_seqs
 
     def _forward_bucket(self, b: _Bucket, decode: bool = False) -> torch.Tensor:  # [Tb, hidden]
         bt = self._bt[: b.layout.reqs]
@@ -280,15 +300,23 @@ class DecodeGraphs:
         pending: np.ndarray | None = None,  # [T] int64, see BucketLayout
         draft_at: np.ndarray | None = None,  # [T] int64, see BucketLayout
         shift: np.ndarray | None = None,  # [T] int64, see BucketLayout
+        num_logits: Sequence[int] | None = None,  # [n] last rows of each that want logits (all)
     ) -> BucketStep | None:
-        """Host layout of a step whose every row wants logits, or None if it is not eligible."""
+        """Host layout of a step, or None if no bucket takes it: a decode bucket's if every
+        row wants logits and no request has more than 1 + k rows, else a mixed bucket's."""
         nreq = len(rows)
         qlens = np.fromiter(map(len, rows), dtype=np.int64, count=nreq)
         t = int(qlens.sum()) if nreq else 0
-        if t == 0 or t > self.max_rows or int(qlens.max()) > self.max_query_len:
+        if t == 0:
+            return None
+        every = num_logits is None or all(n == q for n, q in zip(num_logits, qlens.tolist()))
+        if every and t <= self.max_rows and int(qlens.max()) <= self.max_query_len:
+            b = self._buckets[bisect.bisect_left(self.sizes, t)]
+        elif self.mixed_sizes and t <= self.mixed_sizes[-1]:
+            b = self._mixed[bisect.bisect_left(self.mixed_sizes, t)]
+        else:
             return None
         w = max(map(len, tables))
-        b = self._buckets[bisect.bisect_left(self.sizes, t)]
         if nreq > b.layout.reqs or w > self.width:
             return None
         lay = b.layout
@@ -313,7 +341,12 @@ class DecodeGraphs:
         q[:nreq], q[nreq:] = qlens, 0
         cu[: nreq + 1], cu[nreq + 1 :] = cum, t
         ctx[:nreq], ctx[nreq:] = start + qlens, 0
-        return BucketStep(b, t, nreq, w, packed)
+        step = BucketStep(b, t, nreq, w, packed)
+        if b.mixed:
+            nl = np.asarray(num_logits, dtype=np.int64)
+            keep = np.arange(t) >= (cum[1:] - nl)[req]  # the last num_logits[i] rows of each
+            step.logit_rows = h2d(np.flatnonzero(keep), torch.int64, self.device)
+        return step
 
     def prepare_split(
         self,
@@ -364,19 +397,24 @@ class DecodeGraphs:
             self.num_split_runs += 1
         # one row per request: a plain decode step (the eager twin takes the same variant)
         decode = step.num_rows == step.num_reqs and self._has_decode_variant(b)
-        if self.use_graphs and b.replay is not None:
+        graph = self.use_graphs and b.replay is not None
+        if graph:
             (b.decode_replay if decode else b.replay)()
-            self.num_replays += 1
-            self.num_decode_variant_replays += decode
-            if step.num_rows > step.num_reqs:
-                self.num_verify_replays += 1
             hidden = self._hidden[: step.num_rows]
         else:
-            self.num_eager_runs += 1
             hidden = self._forward_bucket(b, decode)
             if step.tail:  # the tail reads the graph's static output
                 self._hidden[: b.rows].copy_(hidden)
             hidden = hidden[: step.num_rows]
+        if b.mixed:  # counted apart from the decode buckets'
+            self.num_mixed_runs += 1
+            if step.logit_rows.numel() == 0:  # as the eager path: no row samples
+                return hidden.new_zeros((0, 0), dtype=torch.float32)
+            return self.model.compute_logits(hidden[step.logit_rows])
+        self.num_replays += graph
+        self.num_eager_runs += not graph
+        self.num_decode_variant_replays += graph and decode
+        self.num_verify_replays += graph and step.num_rows > step.num_reqs
         if not step.tail:
             return self.model.compute_logits(hidden)
         self.num_tail_runs += 1

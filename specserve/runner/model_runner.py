@@ -112,6 +112,7 @@ class ModelRunner:
         progress: bool = True,
         backend: GraphBackend | None = None,
         drafting: TailDrafting | None = None,  # a device drafter whose steps fit the tail
+        max_mixed_rows: int = 0,  # the most rows of a step with a prompt chunk run in a graph
     ) -> None:
         """Route decode/verify steps through the bucket layout and (capture=True) capture one
         graph per bucket. capture=False (enforce_eager) keeps the layout but runs it eagerly, so
@@ -134,6 +135,7 @@ class ModelRunner:
             self.rejected,
             tail=self.sample_tail and env.settings.graph_tail and env.settings.fused_verify,
             drafting=drafting,
+            max_mixed_rows=max_mixed_rows if env.settings.mixed_graphs else 0,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)
@@ -247,12 +249,8 @@ class ModelRunner:
     ) -> StepInputs | BucketStep:
         """Request i feeds tokens rows[i] at positions starts[i].. and wants logits for its last
         num_logits[i] rows; `prompt` rows are scored for prompt logprobs (eager steps only)."""
-        if (
-            self.graphs is not None
-            and prompt is None
-            and all(n == len(r) for n, r in zip(num_logits, rows))
-        ):
-            step = self.graphs.prepare(rows, starts, tables, pending, draft_at, shift)
+        if self.graphs is not None and prompt is None:
+            step = self.graphs.prepare(rows, starts, tables, pending, draft_at, shift, num_logits)
             if step is not None:
                 return step
         bs = self.block_size

@@ -17,7 +17,7 @@ import torch
 
 from specserve.model.loader.common import build_empty_model
 from specserve.model.loader.dummy import dummy_config, init_random_
-from specserve.runner.bucket_layout import capture_sizes
+from specserve.runner.bucket_layout import capture_sizes, mixed_sizes
 from specserve.runner.cuda_graph import BucketStep
 from specserve.runner.model_runner import ModelRunner, StepInputs
 
@@ -83,11 +83,22 @@ def test_capture_sizes() -> None:
     assert big == sorted(set(big))
 
 
-def _echo_runner(max_num_seqs: int = 4, k: int = 3):
+def test_mixed_sizes() -> None:
+    assert mixed_sizes(0) == [] and mixed_sizes(40) == [40] and mixed_sizes(100) == [64, 100]
+    s = mixed_sizes(8192)
+    assert s[:8] == list(range(64, 513, 64)) and s[-1] == 2048
+    assert all(b - a == 128 for a, b in zip(s[7:], s[8:]))
+    assert mixed_sizes(1000)[-1] == 1000 and mixed_sizes(1000) == sorted(set(mixed_sizes(1000)))
+
+
+def _echo_runner(max_num_seqs: int = 4, k: int = 3, mixed: int = 0):
     model = EchoModel()
     runner = ModelRunner(model, 1, 1, 1, 64, BS, torch.float32, torch.device("cpu"))
     backend = FakeBackend()
-    runner.init_cuda_graphs(max_num_seqs, 1 + k, 64, capture=True, progress=False, backend=backend)
+    runner.init_cuda_graphs(
+        max_num_seqs, 1 + k, 64, capture=True, progress=False, backend=backend,
+        max_mixed_rows=mixed,
+    )  # fmt: skip
     return runner, model
 
 
@@ -209,6 +220,44 @@ def test_not_eligible_runs_eager() -> None:
     assert isinstance(runner.prepare_rows(rows, starts, tables, [4, 4, 4, 4, 1]), StepInputs)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_with_a_prompt_chunk_runs_in_a_mixed_bucket(seed: int) -> None:
+    """Prompt chunks beside decodes: the smallest mixed bucket that holds the rows, every row
+    laid out as the eager path lays it out, logits for exactly the rows that want them;
+    captured before the decode buckets, largest first; past the largest, eager."""
+    rng = random.Random(seed)
+    runner, model = _echo_runner(mixed=100)
+    assert runner.graphs.mixed_sizes == [64, 100]
+    # capture: the mixed buckets first (any rows per request), then the decode ones
+    assert [(c.slot_mapping.shape[0], c.max_query_len) for c in model.ctxs[:2]] == [
+        (100, 100),
+        (64, 64),
+    ]
+    eager, _ = _echo_runner()  # no mixed buckets: the eager path
+    buckets = set()
+    for i in range(8):
+        qlens = [rng.randint(1, 4) for _ in range(rng.randint(0, 2))]
+        qlens += [rng.randint(5, 40) for _ in range(rng.randint(1, 2))]
+        qlens = [1, 40, 40] if i == 7 else qlens  # past the first bucket
+        rng.shuffle(qlens)
+        want = [q if q <= 4 and rng.random() < 0.5 else rng.randint(0, 1) for q in qlens]
+        rows, starts, tables = _batch(rng, qlens, [1])
+        step = runner.prepare_rows(rows, starts, tables, want)
+        assert isinstance(step, BucketStep) and step.bucket.mixed
+        assert step.bucket.rows == (64 if sum(qlens) <= 64 else 100)
+        buckets.add(step.bucket.rows)
+        got = runner.forward(step)
+        ref = eager.forward(eager.prepare_rows(rows, starts, tables, want))
+        assert got.shape[0] == sum(want) and torch.equal(got, ref)
+        assert model.ctxs[-1].max_query_len == step.bucket.rows
+    assert buckets == {64, 100}
+    assert runner.graphs.num_mixed_runs == 8 and runner.graphs.num_replays == 0
+    rows, starts, tables = _batch(rng, [30, 30, 30, 30], [1])  # 120 rows
+    assert isinstance(runner.prepare_rows(rows, starts, tables, [1] * 4), StepInputs)
+    rows, starts, tables = _batch(rng, [1, 1], [1])  # decode steps keep their buckets
+    assert not runner.prepare_rows(rows, starts, tables, [1, 1]).bucket.mixed
+
+
 def test_eager_twin_without_capture() -> None:
     runner = ModelRunner(EchoModel(), 1, 1, 1, 64, BS, torch.float32, torch.device("cpu"))
     runner.init_cuda_graphs(4, 4, 64, capture=False, progress=False, backend=FakeBackend())
@@ -238,19 +287,25 @@ def _tiny_runner(device: torch.device, dtype: torch.dtype, backend=None, k: int 
     for c in runner.kv_caches:  # a random "history" for every context to attend to
         c.k.normal_()
         c.v.normal_()
-    runner.init_cuda_graphs(8, 1 + k, 256, progress=False, backend=backend)
+    runner.init_cuda_graphs(8, 1 + k, 256, progress=False, backend=backend, max_mixed_rows=128)
     return runner
 
 
-def _compare_paths(runner: ModelRunner, seed: int, exact: bool, atol: float) -> None:
+def _compare_paths(
+    runner: ModelRunner, seed: int, exact: bool, atol: float, mixed: bool = False
+) -> None:
+    """Graph replay against its eager twin (exact) and the plain eager path (close); mixed:
+    steps with a prompt chunk of up to 60 rows, some rows wanting logits."""
     rng = random.Random(seed)
     graphs = runner.graphs
     for _ in range(6):
-        qlens = [rng.randint(1, 4) for _ in range(rng.randint(1, 8))]
+        qlens = [rng.randint(1, 4) for _ in range(rng.randint(1, 8 - mixed))]
+        qlens += [rng.randint(5, 60)] * mixed
+        want = [q if q <= 4 else 1 for q in qlens]
         # distinct blocks within a step (at most 88 of the 256); steps reuse them
         rows, starts, tables = _batch(rng, qlens, [1])
-        step = runner.prepare_rows(rows, starts, tables, qlens)
-        assert isinstance(step, BucketStep)
+        step = runner.prepare_rows(rows, starts, tables, want)
+        assert isinstance(step, BucketStep) and step.bucket.mixed == mixed
         graphs.use_graphs = True
         got = runner.forward(step).clone()
         graphs.use_graphs = False
@@ -258,7 +313,7 @@ def _compare_paths(runner: ModelRunner, seed: int, exact: bool, atol: float) -> 
         graphs.use_graphs = True
         runner.graphs = None  # the plain eager path: unpadded rows, its own launch parameters
         try:
-            plain = runner.forward(runner.prepare_rows(rows, starts, tables, qlens))
+            plain = runner.forward(runner.prepare_rows(rows, starts, tables, want))
         finally:
             runner.graphs = graphs
         assert torch.isfinite(got).all()
@@ -267,9 +322,10 @@ def _compare_paths(runner: ModelRunner, seed: int, exact: bool, atol: float) -> 
         torch.testing.assert_close(got, plain, atol=atol, rtol=0)
 
 
-def test_bucket_path_matches_eager_cpu() -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_bucket_path_matches_eager_cpu(mixed: bool) -> None:
     runner = _tiny_runner(torch.device("cpu"), torch.float32, FakeBackend())
-    _compare_paths(runner, 0, exact=True, atol=1e-5)
+    _compare_paths(runner, 0, exact=True, atol=1e-5, mixed=mixed)
 
 
 @pytest.mark.gpu
@@ -282,6 +338,8 @@ def test_replay_bit_identical(cuda: torch.device, dtype: torch.dtype) -> None:
     # bf16 rounds differently with another row count per GEMM; fp32 is true fp32 (no tf32)
     _compare_paths(runner, 1, exact=True, atol=3e-2 if dtype == torch.bfloat16 else 1e-4)
     assert runner.graphs.num_replays == 6 and runner.graphs.num_verify_replays > 0
+    _compare_paths(runner, 2, True, 3e-2 if dtype == torch.bfloat16 else 1e-4, mixed=True)
+    assert runner.graphs.num_mixed_runs == 12  # replayed and its twin
 
 
 # -- engine: graphs vs enforce_eager ---------------------------------------------------------
@@ -327,6 +385,7 @@ def test_engine_graphs_match_eager(
     graphed, gg, on_device = _generate(model, dtype, spec, enforce_eager=False)
     assert eg.num_replays == 0 and eg.num_eager_runs > 0
     assert gg.num_replays > 0 and gg.num_eager_runs == 0
+    assert eg.num_mixed_runs > 0 and gg.num_mixed_runs > 0  # the prompts, padded
     if spec is not None:
         assert gg.num_verify_replays > 0
         # host drafting: steps where nobody verifies drafts take the decode-shaped graph (and

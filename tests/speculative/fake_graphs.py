@@ -73,9 +73,10 @@ class FakeGraphs:
 
 
 def on_buckets(llm, drafted: bool) -> None:
-    """Route an overlapped CPU engine's decode/verify steps through the bucket layout on fake
-    graphs, its forward inline (no worker thread) as on CUDA. drafted: device-drafted steps
-    sample and draft in the graph tail (runner/graph_tail.py); else no step samples there."""
+    """Route an overlapped CPU engine's steps through the bucket layout on fake graphs, its
+    forward inline (no worker thread) as on CUDA: decode/verify steps in the decode buckets,
+    steps with prompt chunks in the mixed ones. drafted: device-drafted steps sample and
+    draft in the graph tail (runner/graph_tail.py); else no step samples there."""
     from specserve import env
 
     eng = llm.engine
@@ -85,4 +86,5 @@ def on_buckets(llm, drafted: bool) -> None:
         eng.runner.init_cuda_graphs(
             eng.config.max_num_seqs, 1 + dd.k, eng.max_model_len, progress=False,
             backend=FakeGraphs(), drafting=dd.tail_drafting() if drafted else None,
+            max_mixed_rows=eng.max_num_batched_tokens,
         )  # fmt: skip

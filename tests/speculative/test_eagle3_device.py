@@ -140,6 +140,7 @@ def test_steady_greedy_steps_draft_in_the_graph_tail(target, prompts, ref, heads
     eng = tail.engine
     g, chain = eng.runner.graphs, eng.device_drafting.model_drafter.chain
     assert g.num_drafted_tail_runs > g.num_verify_replays / 2 > 0
+    assert g.num_mixed_runs > 0  # prompt chunks (hidden states captured) through mixed buckets
     assert eager.engine.runner.graphs.num_drafted_tail_runs == 0
     assert chain.num_steady >= g.num_drafted_tail_runs
     assert sum(o.metrics.num_preemptions for o in outs) > 0
