@@ -144,7 +144,7 @@ def build(eng: LLMEngine, config: EngineConfig, progress: bool) -> None:
         capture=not config.enforce_eager,
         progress=progress,
         drafting=eng.device_drafting.tail_drafting() if eng.device_drafting else None,
-        max_mixed_rows=eng.max_num_batched_tokens,
+        max_mixed_rows=eng.max_num_batched_tokens if env.settings.mixed_graphs else 0,
     )
     if eng.device_drafting and getattr(eng.runner, "graphs", None) and not config.enforce_eager:
         eng.device_drafting.capture(CudaGraphBackend(eng.device))

@@ -135,7 +135,7 @@ class ModelRunner:
             self.rejected,
             tail=self.sample_tail and env.settings.graph_tail and env.settings.fused_verify,
             drafting=drafting,
-            max_mixed_rows=max_mixed_rows if env.settings.mixed_graphs else 0,
+            max_mixed_rows=max_mixed_rows,
         )
         if capture:
             self.graphs.capture(backend or CudaGraphBackend(self.device), progress)

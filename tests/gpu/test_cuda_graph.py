@@ -381,8 +381,11 @@ def test_engine_graphs_match_eager(
 ) -> None:
     if cuda.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
-    eager, eg, _ = _generate(model, dtype, spec, enforce_eager=True)
-    graphed, gg, on_device = _generate(model, dtype, spec, enforce_eager=False)
+    from specserve import env
+
+    with env.override(mixed_graphs=True):  # the prompts' steps too, in mixed buckets
+        eager, eg, _ = _generate(model, dtype, spec, enforce_eager=True)
+        graphed, gg, on_device = _generate(model, dtype, spec, enforce_eager=False)
     assert eg.num_replays == 0 and eg.num_eager_runs > 0
     assert gg.num_replays > 0 and gg.num_eager_runs == 0
     assert eg.num_mixed_runs > 0 and gg.num_mixed_runs > 0  # the prompts, padded
