@@ -1,7 +1,7 @@
-"""A bucket's upload: the bucket sizes (total_q) CUDA graphs are captured for, and the byte
-layout of one bucket's inputs, in the pinned staging buffer and on the device alike, so one copy
-moves a step's inputs (runner/cuda_graph.py replays them, graph_tail.py and device_split.py read
-them)."""
+"""A bucket's upload: the bucket sizes (total_q) CUDA graphs are captured for, the byte layout
+of one bucket's inputs, in the pinned staging buffer and on the device alike, so one copy moves
+a step's inputs (runner/cuda_graph.py replays them, graph_tail.py and device_split.py read
+them), and a step's rows packed into it."""
 
 from __future__ import annotations
 
@@ -102,3 +102,42 @@ def pack_tables(bt: np.ndarray, tables: Sequence[list[int]]) -> None:
         used = np.arange(w) < np.array(lens)[:, None]  # [B, w]
         bt[~used] = 0
         bt[used] = flat
+
+
+def pack_rows(
+    lay: BucketLayout,
+    rows: Sequence[list[int]],  # [n] each request's tokens
+    qlens: np.ndarray,  # [n] int64, their lengths
+    starts: Sequence[int],  # [n] KV position of each request's first row
+    tables: Sequence[list[int]],
+    width: int,  # w: block-table columns of the widest request
+    block_size: int,
+    pending: np.ndarray | None,  # [T] int64 (see BucketLayout), None: zeros
+    draft_at: np.ndarray | None,
+    shift: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forward's section of a step in `lay` (rows past T padding: no KV slot, request
+    0; padding requests: no rows, context 0), with the [n, w] block tables; returns it (uint8),
+    each row's request [T] and the requests' row offsets [n + 1]."""
+    nreq, t = len(rows), int(qlens.sum())
+    packed = np.empty(lay.bt_at + 4 * nreq * width, dtype=np.uint8)
+    ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
+    bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, width)
+    pack_tables(bt, tables)
+    cum = np.zeros(nreq + 1, dtype=np.int64)
+    np.cumsum(qlens, out=cum[1:])
+    req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row
+    start = np.asarray(starts, dtype=np.int64)
+    p = start[req] + (np.arange(t) - cum[req])  # [T] KV position of each row
+    ids[:t] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=t)
+    pos[:t] = p
+    slots[:t] = bt[req, p // block_size].astype(np.int64) * block_size + p % block_size
+    ids[t:], pos[t:], slots[t:] = 0, 0, -1
+    for dst, src in ((pend, pending), (at, draft_at), (sh, shift)):
+        dst[:t] = 0 if src is None else src
+        dst[t:] = 0
+    rr[:t], rr[t:] = req, 0
+    q[:nreq], q[nreq:] = qlens, 0
+    cu[: nreq + 1], cu[nreq + 1 :] = cum, t
+    ctx[:nreq], ctx[nreq:] = start + qlens, 0
+    return packed, req, cum

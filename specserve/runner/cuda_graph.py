@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,7 +43,13 @@ from tqdm.auto import tqdm
 
 from specserve.ops.forward_context import ForwardContext, KVCache
 from specserve.ops.transfer import h2d
-from specserve.runner.bucket_layout import BucketLayout, capture_sizes, mixed_sizes, pack_tables
+from specserve.runner.bucket_layout import (
+    BucketLayout,
+    capture_sizes,
+    mixed_sizes,
+    pack_rows,
+    pack_tables,
+)
 from specserve.runner.device_feed import feed_ids, shift_context_lens, shift_rows
 from specserve.runner.device_split import SplitRows, lay_out_split
 from specserve.runner.graph_tail import GraphTail, SampledTail, TailDrafting, TailViews
@@ -319,28 +324,9 @@ class DecodeGraphs:
         w = max(map(len, tables))
         if nreq > b.layout.reqs or w > self.width:
             return None
-        lay = b.layout
-        packed = np.empty(lay.bt_at + 4 * nreq * w, dtype=np.uint8)
-        ids, pos, slots, pend, at, sh, rr, q, cu, ctx = lay.split(packed, np.int64, np.int32)
-        bt = packed[lay.bt_at :].view(np.int32).reshape(nreq, w)
-        pack_tables(bt, tables)
-        cum = np.zeros(nreq + 1, dtype=np.int64)
-        np.cumsum(qlens, out=cum[1:])
-        req = np.repeat(np.arange(nreq), qlens)  # [T] request of each row
-        start = np.asarray(starts, dtype=np.int64)
-        p = start[req] + (np.arange(t) - cum[req])  # [T] KV position of each row
-        ids[:t] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=t)
-        pos[:t] = p
-        bs = self.block_size
-        slots[:t] = bt[req, p // bs].astype(np.int64) * bs + p % bs
-        ids[t:], pos[t:], slots[t:] = 0, 0, -1
-        for dst, src in ((pend, pending), (at, draft_at), (sh, shift)):
-            dst[:t] = 0 if src is None else src
-            dst[t:] = 0
-        rr[:t], rr[t:] = req, 0
-        q[:nreq], q[nreq:] = qlens, 0
-        cu[: nreq + 1], cu[nreq + 1 :] = cum, t
-        ctx[:nreq], ctx[nreq:] = start + qlens, 0
+        packed, req, cum = pack_rows(
+            b.layout, rows, qlens, starts, tables, w, self.block_size, pending, draft_at, shift
+        )
         step = BucketStep(b, t, nreq, w, packed)
         if b.mixed:
             nl = np.asarray(num_logits, dtype=np.int64)
