@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | split | steps | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | split | mixed | steps | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -54,6 +54,14 @@ case ${1:-decode} in
   idle)
     python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --json "$OUT/idle_b64_llama8b.json"
     python3 tools/device_idle.py --model dummy:llama-3.1-8b --batch 64 --max-tokens 128 --golden-rate 0.8 --json "$OUT/idle_b64_llama8b_golden08.json" ;;
+  mixed)  # steps with a prompt chunk (64 decodes + a 150-token prompt each step), eager against
+    # mixed-bucket graphs, plain and with the shipped head's chain (~3 min)
+    M="tools/profile_step.py --model dummy:smollm2-135m --batch 64 --graphs --steps 10 --input-len 150 --dtype bfloat16 --max-model-len 2048 --top 25 --mixed"
+    E='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}'
+    for g in 0 1; do
+      SPECSERVE_MIXED_GRAPHS=$g python3 $M --json "$OUT/profile_mixed_smollm2_graphs$g.json" | grep "wall time"
+      SPECSERVE_MIXED_GRAPHS=$g python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2_graphs$g.json" | grep "wall time"
+    done ;;
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 256 --top 16 --json "$OUT/profile_b256_llama8b.json" ;;
