@@ -4,7 +4,8 @@ Survival a[i][j] = prod_{m <= j} c[i][m] estimates that draft j of request i is 
 of base_rows rows plus M draft rows yields n + (their survivals) tokens in expectation and costs
 step_time(base_rows + M); `choose` keeps the M of the best rate, its rows the M largest
 survivals (a prefix per request). M = 0 is a plain step. A model drafter drafting on the device
-also chooses whether to draft at all (`VerifyBudget.plan`), by what its drafting steps realized. docs/verify_budget.md has the why.
+also chooses whether to draft at all (`VerifyBudget.plan`), by what its drafting steps realized.
+docs/verify_budget.md has the why.
 """
 
 from __future__ import annotations

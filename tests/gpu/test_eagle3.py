@@ -37,14 +37,12 @@ def target(tmp_path_factory):
 
 def _llm(model: str, spec: dict | None = None, device_drafts: bool = False, **kw) -> LLM:
     """The host drafter unless device_drafts (the head inside the step: the CUDA default)."""
+    kw = dict(max_num_seqs=8, max_model_len=256, kv_cache_memory_gb=0.25) | kw
     with env.override(device_drafts=device_drafts):
         return LLM(
             model,
             dtype="float32",
             device="cuda",
-            max_num_seqs=8,
-            max_model_len=256,
-            kv_cache_memory_gb=0.25,
             speculative_config=spec,
             debug_invariants=True,
             progress=False,
@@ -103,6 +101,22 @@ def test_greedy_device_eagle3_with_overlap_on_cuda(target, prompts, ref, tmp_pat
     assert eng.num_sync_steps == 0
     assert llm.get_metrics()["spec_accepted_tokens"] > 0
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_greedy_device_eagle3_with_mixed_graphs(target, prompts, tmp_path):
+    """SPECSERVE_MIXED_GRAPHS=1: steps with a prompt chunk beside decodes (4 slots for 8
+    prompts: admissions mid-run) replay mixed-bucket graphs, the hidden states the head reads
+    captured inside them; greedy outputs equal speculation off's with the same graphs."""
+    with env.override(mixed_graphs=True):
+        off = _llm(target[0], max_num_seqs=4)
+        mixed_ref = _ids(off.generate(prompts, SP, use_tqdm=False))
+        head = _copy_head(tmp_path / "copy", target, mixed_ref, device="cuda")
+        llm = _llm(target[0], _spec(head, k=3), device_drafts=True, max_num_seqs=4)
+    assert off.engine.runner.graphs.num_mixed_runs > 0
+    assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == mixed_ref
+    eng = llm.engine
+    assert eng.runner.graphs.num_mixed_runs > 0 and eng.num_sync_steps == 0
+    assert llm.get_metrics()["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
