@@ -243,6 +243,32 @@ def test_drafting_is_chosen_when_it_pays_and_real_steps_correct_a_wrong_start():
     assert sum(p.draft for p in dear[first_plain:]) < 0.1 * (400 - first_plain)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.floats(1.0, 6.0), st.floats(0.5, 5.0)),
+        min_size=1,
+        max_size=WINDOW,
+    ),
+    st.floats(1.0, 3.0),
+)
+def test_more_tokens_or_fewer_seconds_never_stop_drafting(steps, scale):
+    """Drafting pays by its steps' tokens a second against plain steps of the same requests:
+    the same steps emitting more tokens, or taking less time, never turn it from paying to
+    not; scaled down both ways, never from not paying to paying."""
+
+    def pays(tok_scale: float, sec_scale: float) -> bool:
+        budget = VerifyBudget(curve_of(BUCKETS, lambda b: 1.0 + 0.05 * b, padded=True), 64, True)
+        for n, tokens_per_req, seconds in steps:
+            tokens = round(n * tokens_per_req * tok_scale)
+            budget.observe_drafting(n, tokens, 2 * n, seconds * sec_scale)
+        return budget.drafting_pays()
+
+    base = pays(1.0, 1.0)
+    assert pays(scale, 1.0) >= base and pays(1.0, 1 / scale) >= base
+    assert pays(1 / scale, 1.0) <= base and pays(1.0, scale) <= base
+
+
 @pytest.mark.parametrize("requests", [4, 64])
 def test_a_drafting_step_is_priced_by_what_it_cost_not_by_its_rows(requests):
     """A drafter's chain runs for every request, so a drafting step of many requests costs
