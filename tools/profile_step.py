@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        max_num_seqs=max(args.batch, 2) + (3 * args.steps if args.mixed else 0),
+        max_num_seqs=max(args.batch, 2) + (4 * args.steps if args.mixed else 0),  # one a step
         # the attention's split-KV count follows max_model_len under graphs: pass the served one
         max_model_len=args.max_model_len or args.input_len + 64 + (2 + k) * args.steps,
         enforce_eager=not args.graphs,

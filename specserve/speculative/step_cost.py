@@ -29,27 +29,8 @@ SWEEP_REPS = 3  # start-up steps per bucket (their median), after one warm-up
 SWEEP_CONTEXT = 128  # context tokens per synthetic request
 
 
-class MachineSpeed:
-    """Seconds over price on recent steps of priced buckets: real steps are kept divided by it,
-    so a bucket measured in a slow minute keeps its price relative to the others."""
-
-    def __init__(self) -> None:
-        self._ratios: deque[float] = deque(maxlen=WINDOW)
-        self.value = 1.0
-
-    def add(self, ratio: float) -> None:
-        self._ratios.append(ratio)
-        if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
-            self.value = statistics.median(self._ratios)
-
-
 class StepCostCurve:
-    def __init__(
-        self,
-        buckets: list[int],
-        startup: list[float],
-        padded: bool,
-    ) -> None:
+    def __init__(self, buckets: list[int], startup: list[float], padded: bool) -> None:
         assert buckets == sorted(set(buckets)) and len(startup) == len(buckets)
         self.buckets = np.asarray(buckets, dtype=np.int64)
         self.startup = np.asarray(startup, dtype=np.float64)
@@ -58,11 +39,11 @@ class StepCostCurve:
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
-        self._speed = MachineSpeed()
-
-    @property
-    def speed(self) -> float:
-        return self._speed.value
+        # the machine's speed: the median of seconds over price on recent steps of priced
+        # buckets; real steps are kept divided by it, so a bucket measured in a slow minute
+        # keeps its price relative to the others
+        self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self.speed = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
         """A real decode/verify step of `rows` total rows took `seconds`."""
@@ -77,7 +58,9 @@ class StepCostCurve:
             self._warm[i] = True
             return
         if self._priced(i):
-            self._speed.add(seconds / self._value[i])
+            self._ratios.append(seconds / self._value[i])
+            if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
+                self.speed = statistics.median(self._ratios)
         self._real[i].append(seconds / self.speed)
         if len(self._real[i]) >= SWEEP_REPS:
             self._value[i] = statistics.median(self._real[i])
