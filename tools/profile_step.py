@@ -54,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--mixed",
         action="store_true",
         help="per-step mode: each profiled step also admits a new --input-len prompt (a prompt "
-        "chunk beside the decoding batch), profiled on the host too (cProfile)",
+        "chunk beside the decoding batch), greedy, profiled on the host too (cProfile)",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
@@ -193,7 +193,13 @@ def run(args: argparse.Namespace) -> int:
         gold = None
         if spec is not None and spec.method == "golden":
             gold = [rng.randrange(3, vocab) for _ in range(out_len * (1 + k))]
-        sp = SamplingParams(max_tokens=out_len * (1 + k), ignore_eos=True, golden_token_ids=gold)
+        # --mixed: greedy, as the sweeps' EAGLE-3 runs (their steps sample in the graph tail)
+        sp = SamplingParams(
+            max_tokens=out_len * (1 + k),
+            ignore_eos=True,
+            golden_token_ids=gold,
+            temperature=0.0 if args.mixed else 1.0,
+        )
         eng.add_request(prompt, sp)
 
     def step() -> None:
