@@ -248,7 +248,7 @@ def _point(
 
 def _timing(engines: list, on: bool) -> list[dict[str, tuple[int, float, float]] | None]:
     """--device-time: start each engine's step timeline (on) or stop it and read it."""
-    out: list[dict[str, tuple[int, float]] | None] = []
+    out: list[dict[str, tuple[int, float, float]] | None] = []
     for llm in engines:
         timeline = llm.engine.timeline
         if on:

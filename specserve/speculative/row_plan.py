@@ -47,6 +47,7 @@ def _splits(engine: LLMEngine, ready: list[Sequence]) -> bool:
         and graphs is not None
         and graphs.tail is not None
         and graphs.tail.drafting is not None
+        and engine._worker is None
         and len(ready) == len(sched.running)
         and (not sched.waiting or len(sched.running) >= engine.config.max_num_seqs)
         and engine.device_drafting.tail_ready(ready)
