@@ -39,9 +39,6 @@ class PositionCounts:
         acc, ver = (self.accepted[j], self.verified[j]) if j < len(self.verified) else (0.0, 0.0)
         return (acc + PRIOR_WEIGHT * prior) / (ver + PRIOR_WEIGHT)
 
-    def samples(self, j: int) -> float:
-        return self.verified[j] if j < len(self.verified) else 0.0
-
 
 class AcceptanceEstimator:
     def __init__(self) -> None:
