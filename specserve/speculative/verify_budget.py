@@ -24,8 +24,9 @@ from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, s
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
-# every EXPLORE_EVERY-th allot verifies all drafts of one request: confidences and the curve
-# learn only from rows that run, so a pessimistic start would otherwise never be corrected
+# every EXPLORE_EVERY-th allot verifies all drafts of one request, and a model drafter's choice
+# to draft or not is probed after EXPLORE_EVERY (doubling) plans of it: confidences, the curve
+# and the drafting yield learn only from steps that run, so a wrong price would never be undone
 EXPLORE_EVERY = 16
 
 
