@@ -57,7 +57,7 @@ class LLMEngine:
         # launched behind the step in flight with their sampling queued after its ledger (a
         # request reads its output tokens on the host: step_launch.py)
         self.num_deferred_steps = 0
-        # steps with prompt rows: eager on CUDA (the graphs take decode/verify steps only)
+        # steps with prompt rows (mixed buckets on CUDA, runner/cuda_graph.py)
         self.num_prompt_steps = 0
         self._inflight: LaunchedStep | None = None  # overlap: launched, not yet through the ledger
         self._isolation: FaultIsolation | None = None  # a failed step's requests being searched

@@ -45,7 +45,7 @@ class SweepPoint:
     output_digest: str = ""  # fingerprint of every request's output tokens
     repeats_tok_s: list[float] | None = None  # every repeat's tok/s (the point is the median run)
     sync_steps_per_run: float = 0.0  # steps launched synchronously (host work not hidden)
-    # steps carrying prompt rows (eager on CUDA): speculation spreads the requests' ends, hence
+    # steps carrying prompt rows: speculation spreads the requests' ends, hence
     # the admissions behind them, over more steps
     prompt_steps_per_run: float = 0.0
     # --device-time (CUDA): per step kind (runner/timeline.py), [steps a run, device ms a step,
