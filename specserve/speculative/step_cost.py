@@ -39,10 +39,13 @@ class StepCostCurve:
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
-        # the machine's speed: the median of seconds over price on recent steps of priced
+        # the machine's speed: the median of seconds over reference on recent steps of priced
         # buckets; real steps are kept divided by it, so a bucket measured in a slow minute
-        # keeps its price relative to the others
+        # keeps its price relative to the others. A bucket's reference is its first price,
+        # frozen: a ratio to its current price would feed the speed back into itself (a
+        # random walk on a steady machine)
         self._ratios: deque[float] = deque(maxlen=WINDOW)
+        self._ref = np.zeros(len(buckets))  # 0: not priced yet
         self.speed = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -57,13 +60,14 @@ class StepCostCurve:
         if not self._warm[i]:
             self._warm[i] = True
             return
-        if self._priced(i):
-            self._ratios.append(seconds / self._value[i])
+        if self._ref[i] > 0:
+            self._ratios.append(seconds / self._ref[i])
             if len(self._ratios) >= SWEEP_REPS:  # one stalled step never sets the speed
                 self.speed = statistics.median(self._ratios)
         self._real[i].append(seconds / self.speed)
         if len(self._real[i]) >= SWEEP_REPS:
             self._value[i] = statistics.median(self._real[i])
+            self._ref[i] = self._ref[i] or self._value[i]
             self._env = None
 
     def forget(self, rows: int) -> None:

@@ -161,3 +161,19 @@ def test_a_machine_that_speeds_up_does_not_leave_draft_buckets_stale(padded):
         run_steps(budget.curve, b, lambda r: 2.0 * shape(r))
     totals = _loop(budget, surv, lambda r: shape(r), 60)  # then the machine runs at 1x
     assert totals[-10:] == [best] * 10
+
+
+def test_on_a_steady_machine_a_bucket_left_unused_keeps_its_price():
+    """Noisy steps (sigma 0.3) of a steady machine in other buckets for a long while: the
+    speed stays near 1, so a bucket priced before and unused since (a plain step while
+    drafting pays) keeps what it measured. A speed learned from ratios to the prices it set
+    drifts as a random walk and carries every unused bucket's price with it (0.3-2.4x here)."""
+    true = {4: 1.0, 8: 1.5, 16: 2.0}
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        curve = curve_of(BUCKETS, lambda b: 1.0, padded=True)
+        for b in true:
+            run_steps(curve, b, lambda r: true[r], n=1 + 16)
+        for b in rng.choice([8, 16], size=10_000):
+            curve.observe(int(b), true[int(b)] * float(np.exp(rng.normal(0.0, 0.3))))
+        assert 0.75 < curve(4) < 1.33, seed
