@@ -63,8 +63,10 @@ case ${1:-decode} in
     M="tools/profile_step.py --model dummy:smollm2-135m --batch 64 --graphs --steps 10 --input-len 150 --dtype bfloat16 --max-model-len 2048 --top 25 --mixed"
     E='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}'
     for g in 0 1; do
-      SPECSERVE_MIXED_GRAPHS=$g python3 $M --json "$OUT/profile_mixed_smollm2_graphs$g.json" | grep "wall time"
-      SPECSERVE_MIXED_GRAPHS=$g python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2_graphs$g.json" | grep "wall time"
+      # the whole output keeps the host's profile (cProfile) beside the kernels
+      SPECSERVE_MIXED_GRAPHS=$g python3 $M --json "$OUT/profile_mixed_smollm2_graphs$g.json" > "$OUT/profile_mixed_smollm2_graphs$g.txt"
+      SPECSERVE_MIXED_GRAPHS=$g python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2_graphs$g.json" > "$OUT/profile_mixed_eagle3_smollm2_graphs$g.txt"
+      grep -h "wall time" "$OUT"/profile_mixed_*graphs$g.txt
     done ;;
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"

@@ -188,6 +188,14 @@ class LLMEngine:
         else:
             inflight, self._inflight = self._inflight, launched
             if inflight is not None:
+                if launched is not None and not (
+                    launched.timed and launched.batch.is_decode_shaped
+                ):
+                    # the period of the step in flight holds this launch's host work: a prompt
+                    # step's or a drafting switch's (a model drafter's gap catch-up), one-off
+                    # work of neither step's steady kind (it priced a plain 1-row step at 4-26 ms
+                    # against its 1 ms, and drafting "paid")
+                    inflight.timed = False
                 outputs += self._process_in_flight(inflight, launched, batch.step)
             if self._inflight is not None and self._inflight.deferred is not None:
                 self._finish_deferred(self._inflight)  # planned from the tokens just committed
