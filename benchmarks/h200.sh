@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | split | mixed | steps | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | split | mixed | staging | steps | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -30,6 +30,9 @@ join_gguf() {  # the default model's GGUF from the parts the gguf1..3 calls left
 }
 TRAIN=/tmp/train-head  # outlives the call while the machine stays warm (eagle reads the head)
 HEAD=$TRAIN/head
+# a step of 64 decodes and a 150-token prompt (host profile, then kernels); E: with the shipped head
+M="tools/profile_step.py --model dummy:smollm2-135m --batch 64 --graphs --steps 10 --input-len 150 --dtype bfloat16 --max-model-len 2048 --top 25 --mixed"
+E='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}'
 EAGLE="bench spec-sweep --method eagle3 --k 5 --concurrency ${EAGLE_C:-1,16} --requests-per-slot 2 --min-requests 8 --max-tokens 256 --repeats ${REPEATS:-5} --interleave --modes ${MODES:-off,fixed,auto} ${DEVICE_TIME:+--device-time} --dtype bfloat16 --max-model-len 2048 --kv-cache-gb 4"
 case ${1:-decode} in
   tests)  # the GPU test suite (~4 min): engine tests in order, the rest 6 at a time beside them
@@ -60,13 +63,18 @@ case ${1:-decode} in
     timeout 240 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu/test_cuda_graph.py \
       tests/gpu/test_eagle3.py -k "mixed or bit_identical or graphs_match_eager" > "$OUT/gpu_tests_mixed.txt" 2>&1
     tail -n 3 "$OUT/gpu_tests_mixed.txt"
-    M="tools/profile_step.py --model dummy:smollm2-135m --batch 64 --graphs --steps 10 --input-len 150 --dtype bfloat16 --max-model-len 2048 --top 25 --mixed"
-    E='{"method":"eagle3","model":"specserve/heads/smollm2-135m-instruct","num_speculative_tokens":5,"verify_budget":"off"}'
     for g in 0 1; do
       # the whole output keeps the host's profile (cProfile) beside the kernels
       SPECSERVE_MIXED_GRAPHS=$g python3 $M --json "$OUT/profile_mixed_smollm2_graphs$g.json" > "$OUT/profile_mixed_smollm2_graphs$g.txt"
       SPECSERVE_MIXED_GRAPHS=$g python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2_graphs$g.json" > "$OUT/profile_mixed_eagle3_smollm2_graphs$g.txt"
       grep -h "wall time" "$OUT"/profile_mixed_*graphs$g.txt
+    done ;;
+  staging)  # the pinned staging ring (ops/staging.py): its GPU test, then a prompt step with the
+    # head without and with it (SPECSERVE_PINNED_STAGING; ~2 min)
+    timeout 120 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu/test_staging.py 2>&1 | tail -n 3
+    for p in 0 1; do
+      SPECSERVE_PINNED_STAGING=$p python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_staging$p.json" > "$OUT/profile_mixed_eagle3_staging$p.txt"
+      grep -h "wall time" "$OUT/profile_mixed_eagle3_staging$p.txt"
     done ;;
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
@@ -128,5 +136,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | split | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | split | mixed | staging | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
 esac
