@@ -193,8 +193,8 @@ class LLMEngine:
                 ):
                     # the period of the step in flight holds this launch's host work: a prompt
                     # step's or a drafting switch's (a model drafter's gap catch-up), one-off
-                    # work of neither step's steady kind (it priced a plain 1-row step at 4-26 ms
-                    # against its 1 ms, and drafting "paid")
+                    # work of neither step's steady kind; priced, it makes a plain step look
+                    # several times dearer than it is, and drafting "pays"
                     inflight.timed = False
                 outputs += self._process_in_flight(inflight, launched, batch.step)
             if self._inflight is not None and self._inflight.deferred is not None:

@@ -2,9 +2,9 @@
 
 Why: an upload from pageable memory synchronises the stream before it starts (transfer.py), so
 each step's small arrays are staged in pinned memory. `Tensor.pin_memory()` takes a fresh
-pinned block per call, and torch's host allocator often ends in `cudaHostAlloc`: ~1 ms a call
-on an H100 host (4 a step in an EAGLE-3 prompt step, `tools/profile_step.py --mixed`), more
-than the step's device time. Here each upload takes the next free bytes of the ring instead.
+pinned block per call, and torch's host allocator often ends in `cudaHostAlloc`, which can cost
+more than a small model's whole step on the device (`tools/profile_step.py --mixed` shows it).
+Here each upload takes the next free bytes of the ring instead.
 
 A region is handed out only if no copy still reading it is pending: each copy records an event
 behind it, and the region of an event not yet complete is never rewritten. When the ring has no

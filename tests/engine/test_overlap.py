@@ -413,9 +413,9 @@ def test_a_step_left_in_flight_across_an_idle_pause_is_no_step_s_cost():
 
 def test_a_prompt_step_s_launch_is_no_cost_of_the_step_in_flight():
     """Overlap: step N's readback period holds the launch of step N + 1. A prompt step's launch
-    (or a model drafter's switch back to drafting, its gap catch-up) is one-off host work; on
-    the H100 it priced a plain 1-row step at 4-26 ms against its 1 ms. The step in flight
-    behind which such a step was launched does not price the curve."""
+    (or a model drafter's switch back to drafting, its gap catch-up) is one-off host work;
+    priced, it makes the step before it look several times dearer than it is. The step in
+    flight behind which such a step was launched does not price the curve."""
     import time
 
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
