@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | split | mixed | staging | steps | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -105,6 +105,10 @@ case ${1:-decode} in
     join_gguf; H=self; [ -d $HEAD ] && H=$HEAD  # the head trained in this warm machine, else the shipped one
     $S $EAGLE --draft-model $H --dataset sharegpt-chat --json "$OUT/eagle3_sharegpt_chat.json" --plot "$OUT/eagle3_sharegpt_chat.png"
     $S $EAGLE --draft-model $H --dataset humaneval --json "$OUT/eagle3_humaneval.json" --plot "$OUT/eagle3_humaneval.png" ;;
+  trace)  # what the verify budget saw, step by step (tools/budget_trace.py), on HumanEval:
+    # EAGLE_C=1 MODES=off,auto REPEATS=2 h200.sh trace (~2 min; after gguf1..3)
+    join_gguf; H=self; [ -d $HEAD ] && H=$HEAD
+    python3 tools/budget_trace.py --json "$OUT/budget_trace_humaneval.json" -- $EAGLE --draft-model $H --dataset humaneval ;;
   split)  # the device split against the host's (the auto budget both), golden R = 0.5, both shapes (~4 min);
     # EAGLE-3's: EAGLE_C=16,64 MODES=off,fixed,auto,host h200.sh eagle
     G="bench spec-sweep --method golden --k 4 --dataset random --max-tokens 128 --requests-per-slot 2 --min-requests 8 --repeats ${REPEATS:-5} --interleave --modes off,auto,host --dtype bfloat16 --max-model-len 1024 --acceptance-rate 0.5 --concurrency 64,256"
@@ -136,5 +140,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | split | mixed | staging | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | rows | host | anchor | structured)" >&2; exit 2 ;;
 esac
