@@ -7,7 +7,7 @@ Each engine's steps: their kind (plain, drafting, verify, prompt), whether their
 the budget, and that period (readback to readback: what the budget sees). Summarised per kind,
 plain steps also by their place after a step of another kind (a step's period holds the launch
 of the one after it, so a switch's one-off host work lands on its neighbour). A model drafter's
-plans: drafting or not, probes, and the curve's price of the plan's rows over the run. --raw
+plans: drafting or not, exploring, and the curve's price of the plan's rows over the run. --raw
 keeps every step.
 """
 
@@ -23,9 +23,8 @@ from specserve import llm_engine
 from specserve.speculative import verify_budget
 
 STEPS: dict[int, list[tuple[str, bool, float]]] = defaultdict(list)  # engine -> (kind, priced, s)
-PLANS: dict[int, list[tuple[bool, bool, float]]] = defaultdict(
-    list
-)  # budget -> (draft, probe, price)
+# budget -> (draft, exploring, the curve's price of the plan's rows)
+PLANS: dict[int, list[tuple[bool, bool, float]]] = defaultdict(list)
 
 
 def _install() -> None:
@@ -40,7 +39,7 @@ def _install() -> None:
 
     def traced_plan(self, surv, base_rows, *args, **kw):
         out = plan(self, surv, base_rows, *args, **kw)
-        PLANS[id(self)].append((out.draft, self._probe is not None, self.curve(base_rows)))
+        PLANS[id(self)].append((out.draft, self._exploring, self.curve(base_rows)))
         return out
 
     llm_engine.LLMEngine._step_seconds = traced_step_seconds
@@ -79,7 +78,7 @@ def plans_summary(plans: list[tuple[bool, bool, float]]) -> dict[str, Any]:
     return {
         "plans": len(plans),
         "drafting": sum(d for d, _, _ in plans),
-        "probing": sum(p for _, p, _ in plans),
+        "exploring": sum(p for _, p, _ in plans),
         "price_ms_over_the_run": [round(1e3 * t, 3) for _, _, t in plans[::every]],
     }
 

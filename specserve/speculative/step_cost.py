@@ -70,13 +70,6 @@ class StepCostCurve:
             self._ref[i] = self._ref[i] or self._value[i]
             self._env = None
 
-    def forget(self, rows: int) -> None:
-        """Drop the real steps of the bucket of `rows`: its next ones price it afresh."""
-        i = int(np.searchsorted(self.buckets, rows))
-        if i < len(self.buckets):
-            self._real[i].clear()
-            self._value[i], self._env = self.startup[i], None
-
     def _priced(self, i: int) -> bool:
         return len(self._real[i]) >= SWEEP_REPS
 

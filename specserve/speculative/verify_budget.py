@@ -24,9 +24,8 @@ from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, s
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
-# every EXPLORE_EVERY-th allot verifies all drafts of one request, and a model drafter's choice
-# to draft or not is probed after EXPLORE_EVERY (doubling) plans of it: confidences, the curve
-# and the drafting yield learn only from steps that run, so a wrong price would never be undone
+# every EXPLORE_EVERY-th allot verifies all drafts of one request: confidences and the curve
+# learn only from rows that run, so a pessimistic start would otherwise never be corrected
 EXPLORE_EVERY = 16
 
 
@@ -84,12 +83,9 @@ class VerifyBudget:
         self.drafting = drafting  # a model drafter on the device: drafting itself is a choice
         self.num_drafting_steps = 0  # plans that drafted
         self.num_plain_steps = 0  # plans that did not
-        self._choice: bool | None = None  # what measured best at the last plan (draft or not)
-        self._run = 0  # plans of that choice since it was made or last probed
-        self._backoff = 1  # the probe interval, in EXPLORE_EVERY, while the choice holds
-        self._probe: bool | None = None  # the other choice, run to measure it afresh
-        self._probe_left = 0  # plans left to the probe, at most
-        self._plain_seen = 0  # plain steps observed (observe_step) since the probe began
+        self._plain_run = 0  # plans since the last that drafted
+        self._backoff = 1  # the exploration interval, in EXPLORE_EVERY, while drafting loses
+        self._exploring = False  # drafting to measure its yield afresh
         # recent steady drafting steps: (requests, tokens, seconds, seconds past the curve's
         # price of their rows: the drafter's chain and its host work)
         self._yield: deque[tuple[int, int, float, float]] = deque(maxlen=WINDOW)
@@ -115,7 +111,6 @@ class VerifyBudget:
     def observe_step(self, total_q: int, seconds: float) -> None:
         """A real decode/verify step that did not draft with a model drafter."""
         self.curve.observe(total_q, seconds)
-        self._plain_seen += 1
 
     def observe_drafting(self, requests: int, tokens: int, rows: int, seconds: float) -> None:
         """A real steady drafting step (it drafted, and verified what the drafting step before
@@ -147,11 +142,22 @@ class VerifyBudget:
         has_drafts: np.ndarray,
         may_draft: bool,
     ) -> StepPlan:
-        """A model drafter's step: whether it drafts (`_decide`) and the drafts each request
-        verifies of those it has (has_drafts [n]), a drafting step priced as the curve's plus
-        chain_seconds()."""
+        """A model drafter's step: whether it drafts (drafting_pays, or exploring: after
+        EXPLORE_EVERY * backoff plain plans, drafting until SWEEP_REPS steps verified drafts;
+        backoff doubles while drafting loses) and the drafts each request verifies of those it
+        has (has_drafts [n]), a drafting step priced as the curve's plus chain_seconds()."""
         assert self.drafting
-        draft = self._decide(base_rows) and may_draft
+        if self._exploring and len(self._yield) >= SWEEP_REPS:
+            self._exploring = False
+        want = self._exploring or self.drafting_pays()
+        if want and not self._exploring:
+            self._backoff = 1
+        elif not want and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff:
+            self._yield.clear()
+            self._exploring, want = True, True
+            self._backoff = min(2 * self._backoff, EXPLORE_EVERY)
+        draft = may_draft and want
+        self._plain_run = 0 if draft else self._plain_run + 1
         self.num_drafting_steps += draft
         self.num_plain_steps += not draft
         held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], _in_room(surv, room), 0.0)
@@ -159,33 +165,6 @@ class VerifyBudget:
         return StepPlan(
             self.allot(held, base_rows, times=lambda r: self.curve.times(r) + chain), draft
         )
-
-    def _decide(self, base_rows: int) -> bool:
-        """Draft or not: what measured best (drafting_pays), except that after EXPLORE_EVERY *
-        backoff plans of one choice the other is probed: measured afresh, until SWEEP_REPS of
-        its steps are (at most EXPLORE_EVERY plans). Neither is trusted for good: the plain
-        price of a step of these requests is its curve bucket, forgotten first. The interval
-        doubles (up to EXPLORE_EVERY ** 2 plans) while the choice holds, and is back to
-        EXPLORE_EVERY when it changes."""
-        if self._probe is not None:
-            seen = len(self._yield) if self._probe else self._plain_seen
-            self._probe_left -= 1
-            if seen < SWEEP_REPS and self._probe_left >= 0:
-                return self._probe
-            self._probe = None
-        choice = self.drafting_pays()
-        if choice != self._choice:
-            self._choice, self._run, self._backoff = choice, 0, 1
-        self._run += 1
-        if self._run < EXPLORE_EVERY * self._backoff:
-            return choice
-        self._run, self._backoff = 0, min(2 * self._backoff, EXPLORE_EVERY)
-        self._probe, self._probe_left, self._plain_seen = not choice, EXPLORE_EVERY - 1, 0
-        if self._probe:
-            self._yield.clear()
-        else:
-            self.curve.forget(base_rows)
-        return self._probe
 
     def allot(
         self,

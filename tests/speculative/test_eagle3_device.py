@@ -207,7 +207,7 @@ def test_the_budget_drafts_with_the_head_only_where_its_chain_pays(
     budget = llm.engine.budget
     buckets = [int(b) for b in budget.curve.buckets]
     budget.curve = curve_of(buckets, lambda r: 1.0 + 0.001 * r)
-    budget.curve.observe = lambda *step: None
+    budget.observe_step = lambda *step: None
     seen = budget.observe_drafting  # the steps' seconds as priced, not as timed here
     budget.observe_drafting = lambda n, tokens, rows, _: seen(
         n, tokens, rows, 1.0 + 0.001 * rows + chain_cost

@@ -236,10 +236,7 @@ def test_drafting_is_chosen_when_it_pays_and_real_steps_correct_a_wrong_start():
     measure what it yields a second, and from then on drafting only re-measures that, ever
     more rarely."""
     cheap = _plans(_model_budget(), 0.9, 40, extra=0.1)
-    # every step drafts but a probe of plain ones, after EXPLORE_EVERY - 1 drafting plans
-    probe = [i for i, p in enumerate(cheap) if not p.draft]
-    assert probe == [EXPLORE_EVERY - 1 + j for j in range(3)]
-    assert all(sum(p.keep) > 0 for prev, p in zip(cheap, cheap[1:]) if prev.draft and p.draft)
+    assert all(p.draft for p in cheap) and all(sum(p.keep) > 0 for p in cheap[1:])
     dear = _plans(_model_budget(), 0.9, 400, extra=5.0)
     first_plain = next(i for i, p in enumerate(dear) if not p.draft)
     assert first_plain == 2  # the first steady drafting step measured it
@@ -289,20 +286,6 @@ def test_a_drafting_step_is_priced_by_what_it_cost_not_by_its_rows(requests):
     assert budget.drafting_pays() == (requests == 4)
     excess = budget.chain_seconds()
     assert excess == pytest.approx(cost - budget.curve(2 * requests))
-
-
-def test_a_plain_price_gone_stale_is_probed_and_drafting_stops_where_it_loses():
-    """The plain price of these requests' steps was measured high (a slow minute, a host
-    hiccup), so drafting looks as if it paid, and while it drafts no plain step re-measures
-    that price. After EXPLORE_EVERY - 1 drafting plans a probe forgets the bucket and runs plain
-    steps: their true price shows that drafting loses, and from then on it only explores."""
-    budget = _model_budget()
-    for _ in range(WINDOW):
-        budget.observe_step(4, 3.0)  # 4 plain rows really cost 1.04
-    plans = _plans(budget, 0.9, 400, extra=3.0)  # 4 x 3.4 tokens in 4.16 s against 4 in 1.04
-    assert all(p.draft for p in plans[: EXPLORE_EVERY - 1])
-    assert not plans[EXPLORE_EVERY - 1].draft and budget.curve(4) == pytest.approx(1.04)
-    assert sum(p.draft for p in plans[EXPLORE_EVERY:]) < 0.1 * (400 - EXPLORE_EVERY)
 
 
 def test_zero_confidence_drafts_only_to_explore_and_ever_more_rarely():
