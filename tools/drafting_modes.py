@@ -52,6 +52,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument(
+        "--kernels",
+        default="",
+        help="modes (e.g. off,plain) whose device kernels a batch-1 run lists, per step",
+    )
     args = p.parse_args()
     from specserve import LLM, SamplingParams
     from specserve.bench.common import engine_kwargs
@@ -85,8 +90,31 @@ def main() -> None:
         report[f"batch{b}"] = {"runs": runs, "median_ms_per_step_and_tok_s": med}
         for m, (ms, tps) in med.items():
             print(f"batch {b} {m:6s} {ms:.3f} ms a step  {tps:.0f} tok/s", flush=True)
+    for m in filter(None, args.kernels.split(",")):
+        report[f"kernels_{m}"] = _kernels(llms[m], sp)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1))
+
+
+def _kernels(llm, sp, top: int = 20) -> dict[str, list[float]]:
+    """One batch-1 run under the profiler: each kernel's device microseconds and launches a
+    step (a plain step's extra device work against an off step's shows here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tools.profile_step import _kernel_totals
+
+    prompt = [[1 + j % 30000 for j in range(128)]]
+    s0 = llm.engine.num_steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+    steps = llm.engine.num_steps - s0
+    totals, counts = _kernel_totals(prof)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    print(f"kernels a step ({steps} steps): {sum(totals.values()) / steps:.1f} us in all")
+    for name, us in ranked[:top]:
+        print(f"  {us / steps:8.1f} us {counts[name] / steps:5.2f}x  {name[:100]}")
+    return {n: [us / steps, counts[n] / steps] for n, us in ranked}
 
 
 if __name__ == "__main__":

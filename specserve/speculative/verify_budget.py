@@ -43,8 +43,9 @@ class BudgetChoice(NamedTuple):
 
 def survivals(confidences: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
     """[n, k] running products of the confidences, clamped to [0, 1] (NaN counts as 0)."""
-    c = np.nan_to_num(np.asarray(confidences, dtype=np.float64), nan=0.0)
-    return np.multiply.accumulate(np.clip(c, 0.0, 1.0), axis=-1)
+    c = np.asarray(confidences, dtype=np.float64)
+    # not nan_to_num and clip: this runs every step, and they cost most of a plain step's budget
+    return np.multiply.accumulate(np.where(c > 0.0, np.minimum(c, 1.0), 0.0), axis=-1)
 
 
 def _in_room(surv: np.ndarray, room: Sequence[int] | None) -> np.ndarray:
@@ -177,6 +178,9 @@ class VerifyBudget:
         these requests' decode step: prompt chunks beside it run anyway; `times`: another
         price), exploration, metrics."""
         surv = _in_room(surv, room)
+        if not surv.any():  # nothing to verify (a plain step): no choice to make or to explore
+            self._kept[0] += surv.shape[0]
+            return [0] * surv.shape[0]
         keep = choose(surv, base_rows, times or self.curve.times, self.max_rows).num_verify.tolist()
         self._calls += 1
         if self._calls % EXPLORE_EVERY == 0:
