@@ -35,7 +35,7 @@ def _force(llm, rule) -> None:
 
     k, calls = llm.engine.slot_pool.k, [0]
 
-    def plan(surv, base_rows, room, has_drafts, may_draft):
+    def plan(conf, base_rows, room, has_drafts, may_draft):
         calls[0] += 1
         keep = [min(int(r), k) if h else 0 for r, h in zip(room, has_drafts)]
         return StepPlan(keep, may_draft and rule(calls[0]))

@@ -296,11 +296,10 @@ class DeviceDrafting:
         """The draft rows of each decode-ready request in the next step (room[i]: its most);
         a model drafter's: also whether that step drafts (drafting_now)."""
         slots = [s.slot for s in ready]
-        surv = survivals(self.host_conf[slots])
         if not budget.drafting or not ready:
-            return budget.allot(surv, len(ready), room)
+            return budget.allot(survivals(self.host_conf[slots]), len(ready), room)
         may = all(self.drafted[s.slot] or not s.num_pending_drafts for s in ready)
-        plan = budget.plan(surv, len(ready), room, self.drafted[slots], may)
+        plan = budget.plan(self.host_conf[slots], len(ready), room, self.drafted[slots], may)
         self.drafting_now = plan.draft
         return plan.keep
 

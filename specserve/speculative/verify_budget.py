@@ -90,6 +90,7 @@ class VerifyBudget:
         # recent steady drafting steps: (requests, tokens, seconds, seconds past the curve's
         # price of their rows: the drafter's chain and its host work)
         self._yield: deque[tuple[int, int, float, float]] = deque(maxlen=WINDOW)
+        self._pays: bool | None = None  # drafting_pays() of the current _yield
         self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
         self.chosen_rows = 0  # draft rows it chose
         self.expected_accepted = 0.0  # the survivals of the kept drafts
@@ -118,6 +119,7 @@ class VerifyBudget:
         it made for its requests): the tokens they emitted, its rows (anchors + drafts) and its
         seconds."""
         self._yield.append((requests, tokens, seconds, seconds - self.curve(rows)))
+        self._pays = None
 
     def chain_seconds(self) -> float:
         """What drafting adds to a step, by the recent drafting steps: their median seconds
@@ -128,16 +130,19 @@ class VerifyBudget:
         """Did the recent drafting steps emit more tokens a second than plain steps of the same
         requests would (the curve's price of their request counts)? Measured, not priced: a
         drafting step's cost grows with its requests (the chain runs for each), which the
-        curve's rows do not see. Unmeasured: yes (tried, then measured)."""
+        curve's rows do not see. Unmeasured: yes (tried, then measured). Decided again only
+        when a drafting step is measured: a plain step's budget work stays a few lookups."""
         if not self._yield:
             return True
-        reqs, tokens, seconds, _ = zip(*self._yield)
-        plain = float(self.curve.times(np.asarray(reqs)).sum())
-        return sum(tokens) / sum(seconds) > sum(reqs) / plain
+        if self._pays is None:
+            reqs, tokens, seconds, _ = zip(*self._yield)
+            plain = float(self.curve.times(np.asarray(reqs)).sum())
+            self._pays = sum(tokens) / sum(seconds) > sum(reqs) / plain
+        return self._pays
 
     def plan(
         self,
-        surv: np.ndarray,
+        conf: np.ndarray,
         base_rows: int,
         room: Sequence[int],
         has_drafts: np.ndarray,
@@ -146,7 +151,8 @@ class VerifyBudget:
         """A model drafter's step: whether it drafts (drafting_pays, or exploring: after
         EXPLORE_EVERY * backoff plain plans, drafting until SWEEP_REPS steps verified drafts;
         backoff doubles while drafting loses) and the drafts each request verifies of those it
-        has (has_drafts [n]), a drafting step priced as the curve's plus chain_seconds()."""
+        has (has_drafts [n]; conf [n, k]: their confidences), a drafting step priced as the
+        curve's plus chain_seconds()."""
         assert self.drafting
         if self._exploring and len(self._yield) >= SWEEP_REPS:
             self._exploring = False
@@ -154,14 +160,18 @@ class VerifyBudget:
         if want and not self._exploring:
             self._backoff = 1
         elif not want and self._plain_run + 1 >= EXPLORE_EVERY * self._backoff:
-            self._yield.clear()
+            self._yield.clear()  # unmeasured: drafting_pays() is True again
             self._exploring, want = True, True
             self._backoff = min(2 * self._backoff, EXPLORE_EVERY)
         draft = may_draft and want
         self._plain_run = 0 if draft else self._plain_run + 1
         self.num_drafting_steps += draft
         self.num_plain_steps += not draft
-        held = np.where(np.asarray(has_drafts, dtype=bool)[:, None], _in_room(surv, room), 0.0)
+        has = np.asarray(has_drafts, dtype=bool)
+        if not has.any():  # between drafting steps every request holds none: nothing to price
+            self._kept[0] += len(has)
+            return StepPlan([0] * len(has), draft)
+        held = np.where(has[:, None], _in_room(survivals(conf), room), 0.0)
         chain = self.chain_seconds() if draft else 0.0
         return StepPlan(
             self.allot(held, base_rows, times=lambda r: self.curve.times(r) + chain), draft

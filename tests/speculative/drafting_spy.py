@@ -16,7 +16,7 @@ def coin_drafting(llm, seed: int, p: float = 0.5, verify: bool = True) -> list[b
     assert budget is not None and budget.drafting
     rng, choices = random.Random(seed), []
 
-    def plan(surv, base_rows, room, has_drafts, may_draft) -> StepPlan:
+    def plan(conf, base_rows, room, has_drafts, may_draft) -> StepPlan:
         draft = may_draft and rng.random() < p
         if may_draft:
             choices.append(draft)

@@ -205,7 +205,7 @@ def _plans(budget: VerifyBudget, conf: float, steps: int, extra: float, may: boo
     has = np.zeros(4, dtype=bool)
     out = []
     for _ in range(steps):
-        plan = budget.plan(surv, 4, [3] * 4, has, may)
+        plan = budget.plan(np.full((4, 3), conf), 4, [3] * 4, has, may)
         rows = 4 + sum(plan.keep)
         assert all(k == 0 for k, h in zip(plan.keep, has) if not h)  # only drafts it has
         seconds = 1.0 + 0.01 * rows + extra * plan.draft
