@@ -126,7 +126,7 @@ case ${1:-decode} in
     python3 tools/gemv_chain.py --repeats 5 --json "$OUT/gemv_chain.json"
     python3 tools/step_cost.py --model dummy:llama-3.1-8b --modes off,golden --off gemv_rows --k 4 --batches 1,16 --kv-cache-gb 1 --json "$OUT/step_cost_gemv_rows_llama8b.json" ;;
   host)  # where a 135M step's time goes (host phases; wall vs device, kernels): off, golden, EAGLE-3
-    for m in off golden eagle3; do
+    for m in ${HOST_MODES:-off golden eagle3}; do
       case $m in
         off) C= ;;
         golden) C='{"method":"golden","num_speculative_tokens":5,"acceptance_rate":0.0,"verify_budget":"off"}' ;;

@@ -23,6 +23,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+MATMULS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm")
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dummy:llama-3.1-8b", help="model (default: random 8B)")
@@ -235,6 +237,24 @@ def run(args: argparse.Namespace) -> int:
         host.disable()
         pstats.Stats(host).sort_stats("tottime").print_stats(args.top)
         pstats.Stats(host).sort_stats("cumulative").print_stats(args.top)
+        # the same on the profiler's host side: torch ops and CUDA runtime calls by their own
+        # host time (a launch that blocks, an allocation, a sync), then the linears by shape
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+        ) as ops:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+        avg = ops.key_averages()
+        print(
+            avg.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60)
+        )
+        mm = [e for e in ops.key_averages(group_by_input_shape=True) if e.key in MATMULS]
+        mm.sort(key=lambda e: -e.cpu_time_total)
+        for e in mm[: args.top]:
+            print(
+                f"{e.key:14s} x{e.count:4d} {e.cpu_time_total / e.count:8.1f} us host  {e.input_shapes}"
+            )
     eng.fail_all()
     totals, counts = _kernel_totals(prof)
     step_us = sum(totals.values()) / args.steps
