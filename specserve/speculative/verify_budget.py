@@ -44,7 +44,7 @@ class BudgetChoice(NamedTuple):
 def survivals(confidences: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
     """[n, k] running products of the confidences, clamped to [0, 1] (NaN counts as 0)."""
     c = np.asarray(confidences, dtype=np.float64)
-    # not nan_to_num and clip: this runs every step, and they cost most of a plain step's budget
+    # where and minimum, not nan_to_num and clip: the same values in a fraction of the host time
     return np.multiply.accumulate(np.where(c > 0.0, np.minimum(c, 1.0), 0.0), axis=-1)
 
 

@@ -36,6 +36,18 @@ def curves(draw):
     return curve_of(BUCKETS, lambda b: prices[BUCKETS.index(b)], draw(st.booleans()))
 
 
+@given(st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=3, max_size=3)))
+def test_survivals_are_running_products_of_confidences_clamped_to_0_1(rows):
+    """Any float a drafter hands over (NaN, infinities, out of range) is read as its clamp to
+    [0, 1], NaN as 0; survivals never rise along a request's drafts."""
+    conf = np.array(rows, dtype=np.float64).reshape(len(rows), 3)
+    got = survivals(conf)
+    clamped = [[0.0 if np.isnan(c) else min(max(c, 0.0), 1.0) for c in r] for r in rows]
+    want = np.array([list(itertools.accumulate(r, lambda a, b: a * b)) for r in clamped])
+    assert np.array_equal(got, want.reshape(got.shape))
+    assert np.all(np.diff(got, axis=-1) <= 0.0)
+
+
 def _rate(surv: np.ndarray, m: tuple[int, ...], base: int, times) -> float:
     tokens = surv.shape[0] + sum(surv[i, :mi].sum() for i, mi in enumerate(m))
     return tokens / float(times(np.array([base + sum(m)]))[0])
