@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | linears | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | catchup | linears | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -122,6 +122,10 @@ case ${1:-decode} in
   modes)  # a model drafter's plain steps (the budget's choice forced: never draft) against an
     # off engine's, and each one's kernels a step at batch 1 (~3 min)
     python3 tools/drafting_modes.py --batches 1,16 --repeats 5 --kernels off,plain --json "$OUT/drafting_modes_smollm2.json" ;;
+  catchup)  # where a prompt step with the head spends the host's time: the eager matmuls by
+    # row count (linears), then the step's torch ops and CUDA runtime calls by host time (~2 min)
+    python3 tools/linear_host.py --json "$OUT/linear_host.json"
+    python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2.json" > "$OUT/profile_mixed_eagle3_smollm2.txt" ;;
   linears)  # an eager matmul's host time when its row count is new each call (the head's
     # eager catch-up in a prompt step) against rows repeated and rows padded (~20 s)
     python3 tools/linear_host.py --json "$OUT/linear_host.json" ;;
@@ -146,5 +150,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | linears | rows | host | anchor | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | catchup | linears | rows | host | anchor | structured)" >&2; exit 2 ;;
 esac
