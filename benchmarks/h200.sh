@@ -7,7 +7,7 @@
 #   to back while the machine is warm (a carried path is gone in the next call unless carried
 #   again; /tmp stays); the parts after them carry .devcarry (and .whl) again
 # PART: tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head |
-#   train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | catchup | linears | rows | host | anchor | structured (default: decode)
+#   train-data | train-head-resume | eagle | trace | split | mixed | steps | modes | catchup | linears | rows | host | anchor | structured (default: decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD SPECSERVE_TOKENIZER=$PWD/.devcarry/tokenizer SPECSERVE_CACHE=$PWD/.devcarry/cache
@@ -68,13 +68,6 @@ case ${1:-decode} in
       SPECSERVE_MIXED_GRAPHS=$g python3 $M --json "$OUT/profile_mixed_smollm2_graphs$g.json" > "$OUT/profile_mixed_smollm2_graphs$g.txt"
       SPECSERVE_MIXED_GRAPHS=$g python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2_graphs$g.json" > "$OUT/profile_mixed_eagle3_smollm2_graphs$g.txt"
       grep -h "wall time" "$OUT"/profile_mixed_*graphs$g.txt
-    done ;;
-  staging)  # the pinned staging ring (ops/staging.py): its GPU test, then a prompt step with the
-    # head without and with it (SPECSERVE_PINNED_STAGING; ~2 min)
-    timeout 120 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu/test_staging.py 2>&1 | tail -n 3
-    for p in 0 1; do
-      SPECSERVE_PINNED_STAGING=$p python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_staging$p.json" > "$OUT/profile_mixed_eagle3_staging$p.txt"
-      grep -h "wall time" "$OUT/profile_mixed_eagle3_staging$p.txt"
     done ;;
   profile)
     python3 tools/profile_step.py --model dummy:llama-3.1-8b --batch 1 --graphs --max-model-len 4096 --dtype bfloat16 --top 16 --json "$OUT/profile_b1_llama8b.json"
@@ -150,5 +143,5 @@ case ${1:-decode} in
   structured)  # grammar-mask cost at 64 requests, and where the JSON step's host time goes
     $S bench structured --model dummy:llama-3.1-8b --concurrency 64 --repeats 9 --dtype bfloat16 --kv-cache-gb 8 --json "$OUT/structured_llama8b.json"
     python3 tools/structured_host_split.py --model dummy:llama-3.1-8b --dtype bfloat16 --repeats 2 --json "$OUT/structured_host_split_llama8b.json" ;;
-  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | trace | split | mixed | staging | steps | modes | catchup | linears | rows | host | anchor | structured)" >&2; exit 2 ;;
+  *) echo "unknown part: $1 (tests | decode | sweep05 | sweep08 | sweep10 | curve | idle | profile | gguf1..3 | train-head | train-data | train-head-resume | eagle | trace | split | mixed | steps | modes | catchup | linears | rows | host | anchor | structured)" >&2; exit 2 ;;
 esac

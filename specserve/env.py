@@ -21,7 +21,6 @@ restores the previous values on exit:
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
 | SPECSERVE_GRAPH_TAIL | 1 | decode/verify steps of the common shape sample inside their bucket's CUDA graph, golden device drafting included (runner/graph_tail.py; needs the fused verify) |
 | SPECSERVE_MIXED_GRAPHS | 1 | steps with a prompt chunk (up to 2048 rows) run as CUDA graphs of mixed buckets (runner/cuda_graph.py; 0: eagerly) |
-| SPECSERVE_PINNED_STAGING | 0 | host -> device uploads staged in one pinned ring reused (ops/staging.py; 0: a block pinned per upload). Off: on the H100 a prompt step with the head measured no faster with it (docs/verify_budget.md) |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_DEVICE_SPLIT | 1 | with the verify budget, a device-drafted step sampling in its graph tail has only its total rows fixed on the host; the device shares them among its requests by the newest confidences (runner/device_split.py; 0: the host fixes each request's rows) |
@@ -69,7 +68,6 @@ class Settings:
     fused_verify: bool
     graph_tail: bool
     mixed_graphs: bool
-    pinned_staging: bool
     tp_timeout: float
     device_drafts: bool
     device_split: bool
@@ -97,7 +95,6 @@ class Settings:
             fused_verify=_flag(environ, "SPECSERVE_FUSED_VERIFY"),
             graph_tail=_flag(environ, "SPECSERVE_GRAPH_TAIL"),
             mixed_graphs=_flag(environ, "SPECSERVE_MIXED_GRAPHS"),
-            pinned_staging=_flag(environ, "SPECSERVE_PINNED_STAGING", "0"),
             tp_timeout=float(environ.get("SPECSERVE_TP_TIMEOUT") or 300),
             device_drafts=_flag(environ, "SPECSERVE_DEVICE_DRAFTS"),
             device_split=_flag(environ, "SPECSERVE_DEVICE_SPLIT"),

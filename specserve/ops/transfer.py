@@ -3,8 +3,8 @@
 Why: `torch.tensor(xs, device="cuda")` and `.to("cuda")` from pageable memory synchronise the
 stream before the copy starts, so under overlap scheduling the host would wait for the step in
 flight before it could even hand over the next step's inputs. Staging through pinned memory
-makes every upload asynchronous (staging.py: a pinned ring reused, its regions kept until
-their copies have run). Downloads go to pinned buffers too, and the host waits on one event at
+makes every upload asynchronous (torch's caching host allocator keeps the pinned block alive
+until the copy has run). Downloads go to pinned buffers too, and the host waits on one event at
 the one designed synchronisation point of a step (`Readback.wait`).
 
 On CPU both directions are plain tensors: nothing to overlap.
@@ -18,32 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from specserve import env
-from specserve.ops import staging
-
 
 def h2d(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A device tensor holding `values`, uploaded without a host sync."""
     cpu = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return cpu
-    return _upload(cpu, device)
-
-
-def _upload(cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: staged in the pinned ring (staging.py), else in a block
-    pinned for it (torch's host allocator; under CUDA graph capture always)."""
-    if env.settings.pinned_staging and not torch.cuda.is_current_stream_capturing():
-        r = staging.ring(device)
-        nbytes = cpu.numel() * cpu.element_size()
-        region = r.stage(nbytes)
-        if region is not None:
-            a = region[0]
-            dst = r.buf[a : a + nbytes].view(cpu.dtype).view(cpu.shape)
-            dst.copy_(cpu)
-            out = dst.to(device, non_blocking=True)
-            r.issued(region)
-            return out
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
@@ -80,7 +60,7 @@ def h2d_packed(
     hide."""
     if device.type != "cuda":
         return [torch.as_tensor(v, dtype=d) for v, d in arrays]
-    return packed_views(arrays, lambda buf: _upload(buf, device))
+    return packed_views(arrays, lambda buf: buf.pin_memory().to(device, non_blocking=True))
 
 
 def packed_views(
