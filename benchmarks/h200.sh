@@ -115,10 +115,14 @@ case ${1:-decode} in
   modes)  # a model drafter's plain steps (the budget's choice forced: never draft) against an
     # off engine's, and each one's kernels a step at batch 1 (~3 min)
     python3 tools/drafting_modes.py --batches 1,16 --repeats 5 --kernels off,plain --json "$OUT/drafting_modes_smollm2.json" ;;
-  catchup)  # where a prompt step with the head spends the host's time: the eager matmuls by
-    # row count (linears), then the step's torch ops and CUDA runtime calls by host time (~2 min)
-    python3 tools/linear_host.py --json "$OUT/linear_host.json"
-    python3 $M --speculative-config "$E" --json "$OUT/profile_mixed_eagle3_smollm2.json" > "$OUT/profile_mixed_eagle3_smollm2.txt" ;;
+  catchup)  # prompt steps with the head: its catch-ups in their rows buckets' graphs, then eager
+    # (host profile and wall time per step), after the head's GPU tests (~3 min)
+    python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/gpu/test_eagle3.py 2>&1 | tail -3
+    for c in graphs eager; do
+      python3 $M --speculative-config "$E" $([ $c = eager ] && echo --eager-catch-up) \
+        --json "$OUT/profile_mixed_eagle3_catchup_${c}.json" > "$OUT/profile_mixed_eagle3_catchup_${c}.txt"
+      grep "wall time per step" "$OUT/profile_mixed_eagle3_catchup_${c}.txt"
+    done ;;
   linears)  # an eager matmul's host time when its row count is new each call (the head's
     # eager catch-up in a prompt step) against rows repeated and rows padded (~20 s)
     python3 tools/linear_host.py --json "$OUT/linear_host.json" ;;

@@ -20,7 +20,7 @@ restores the previous values on exit:
 | SPECSERVE_PDL | 1 | programmatic dependent launch on Hopper |
 | SPECSERVE_FUSED_VERIFY | 1 | fused Triton sample-and-verify pass on CUDA |
 | SPECSERVE_GRAPH_TAIL | 1 | decode/verify steps of the common shape sample inside their bucket's CUDA graph, golden device drafting included (runner/graph_tail.py; needs the fused verify) |
-| SPECSERVE_MIXED_GRAPHS | 1 | steps with a prompt chunk (up to 2048 rows) run as CUDA graphs of mixed buckets (runner/cuda_graph.py; 0: eagerly) |
+| SPECSERVE_MIXED_GRAPHS | 1 | steps with a prompt chunk (up to 2048 rows) run as CUDA graphs of mixed buckets (runner/cuda_graph.py), and a model drafter's catch-ups over any rows as graphs of rows buckets (speculative/catch_up_graphs.py); 0: both eagerly |
 | SPECSERVE_TP_TIMEOUT | 300 | seconds a tensor-parallel rank waits in one collective or at start-up (a dead worker is found at once; this bounds a stuck one) |
 | SPECSERVE_DEVICE_DRAFTS | 1 | with overlap, drafters draft inside the step on the device (0: on the host) |
 | SPECSERVE_DEVICE_SPLIT | 1 | with the verify budget, a device-drafted step sampling in its graph tail has only its total rows fixed on the host; the device shares them among its requests by the newest confidences (runner/device_split.py; 0: the host fixes each request's rows) |

@@ -58,6 +58,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="per-step mode: each profiled step also admits a new --input-len prompt (a prompt "
         "chunk beside the decoding batch), greedy, profiled on the host too (cProfile)",
     )
+    p.add_argument(
+        "--eager-catch-up",
+        action="store_true",
+        help="per-step mode: a model drafter's catch-ups over any rows run eagerly, not in their "
+        "rows buckets' graphs (speculative/catch_up_graphs.py): the same steps without them",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
 
 
@@ -186,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         progress=False,
     )
     eng = llm.engine
+    if args.eager_catch_up:
+        eng.device_drafting.model_drafter.catch_up.sizes = []  # every catch-up past the buckets
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     out_len = 40 + 2 * args.steps  # warm-up, the timed steps, the profiled steps

@@ -181,6 +181,7 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,  # [T] int64 rope positions
         attend: Attend,
         max_position: int,
+        rows: torch.Tensor | None = None,  # [R] int64: only these rows' outputs (None: all)
     ) -> Eagle3Output:
         """One head step over flat rows; `attend` supplies the attention (paged or dense)."""
         c, layer = self.config, self.midlayer
@@ -197,6 +198,8 @@ class Eagle3Head(nn.Module):
         attn_out = layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
         h, residual = layer.post_attention_layernorm.add_forward(attn_out, residual)
         normed, prenorm = self.norm.add_forward(layer.mlp(h), residual)
+        if rows is not None:  # the vocabulary-wide GEMM on the rows that draft only
+            normed, prenorm, embeds = normed[rows], prenorm[rows], embeds[rows]
         conf = None
         if self.confidence_head is not None:
             conf = self.confidence_head(torch.cat([normed, embeds], dim=-1)).squeeze(-1).float()

@@ -124,11 +124,10 @@ class Eagle3Drafter:
             return paged_attention(q, cache, ctx, scale)
 
         out = self.head.step(
-            inputs.input_ids, hidden, inputs.positions, attend, ctx.max_context_len
-        )
-        rows = inputs.logit_rows
-        conf = out.confidence[rows] if out.confidence is not None else None
-        return out.prenorm[rows], out.logits[rows], conf
+            inputs.input_ids, hidden, inputs.positions, attend, ctx.max_context_len,
+            inputs.logit_rows,
+        )  # fmt: skip
+        return out.prenorm, out.logits, out.confidence
 
     @torch.inference_mode()
     def propose(

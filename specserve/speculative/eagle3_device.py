@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve import env
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.attention import paged_attention, write_kv
@@ -44,6 +45,7 @@ from specserve.speculative.catch_up import (
     prefix_rows,
     settled,
 )
+from specserve.speculative.catch_up_graphs import CatchUpGraphs
 from specserve.speculative.draft_graphs import SteadyRows
 from specserve.speculative.eagle3 import Eagle3Drafter
 from specserve.speculative.eagle3_chain import Eagle3Chain
@@ -81,6 +83,11 @@ class Eagle3DeviceDrafter:
             padded=self.device.type == "cuda",
             store=drafter.store,
         )
+        # a catch-up that is not steady (a prompt's, a gap's): its head step over any rows
+        self.catch_up = CatchUpGraphs(
+            self._catch_up_step, pool.num_slots, self.width, self.chain.max_context_len,
+            self.device,
+        )  # fmt: skip
 
     def capture(self, backend) -> None:
         """CUDA graphs of the chained steps (after the target's: the head's rotary table is
@@ -89,6 +96,8 @@ class Eagle3DeviceDrafter:
             self.chain.max_context_len, self.device, self.inner.store.dtype
         )
         self.chain.capture(backend, table)
+        if env.settings.mixed_graphs:  # catch-ups over any rows, as the target's mixed steps
+            self.catch_up.capture(backend)
 
     # -- host ---------------------------------------------------------------------------------
     def layout(
@@ -152,10 +161,17 @@ class Eagle3DeviceDrafter:
     @torch.inference_mode()
     def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
         """The head's KV over a gap (anchor [R] int64: each request's anchor token)."""
-        slots, ctx = gap_context(lay, self.block_size)
+        _, ctx = gap_context(lay, self.block_size)
         tokens = catch_up_tokens(lay, lay.tokens, anchor)
         last = lay.cu_query_lens[1:].to(torch.int64) - 1
-        self._step(tokens, self.inner.store[slots], lay.positions, ctx, last)
+        self.catch_up.run(tokens, lay.positions, ctx, last)
+
+    def _catch_up_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A catch-up's head step: the target's g at each row's KV slot (padding rows, slot -1:
+        the store's trash row)."""
+        return self._step(tokens, self.inner.store[ctx.slot_mapping], positions, ctx, rows)
 
     def _step(
         self,
@@ -173,11 +189,8 @@ class Eagle3DeviceDrafter:
             write_kv(k, v, cache, ctx.slot_mapping)
             return paged_attention(q, cache, ctx, scale)
 
-        out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len)
-        if rows is None:
-            return out.prenorm, out.logits, out.confidence
-        conf = out.confidence[rows] if out.confidence is not None else None
-        return out.prenorm[rows], out.logits[rows], conf
+        out = self.head.step(tokens, hidden, positions, attend, ctx.max_context_len, rows)
+        return out.prenorm, out.logits, out.confidence
 
     def _pick(
         self, logits: torch.Tensor, t: SamplingTensors, q_rows: torch.Tensor
@@ -227,8 +240,7 @@ class Eagle3DeviceDrafter:
             max_context_len=lay.max_context_len,
         )
         final = lay.cu_query_lens[:-1].to(torch.int64) + lay.prefix + acc  # [R]
-        hidden = self.inner.store[slots]  # the target's g at each position
-        prenorm, logits, conf_logit = self._step(tokens, hidden, pos, ctx, final)
+        prenorm, logits, conf_logit = self.catch_up.run(tokens, pos, ctx, final)
         tok, q = self._pick(logits, t, plan.slots * k)
         conf = self._confidence(conf_logit, q, tok, 0)
         self.chain.run(tok, conf, prenorm, seq_len, num_output, plan.slots, lay.block_tables, t)

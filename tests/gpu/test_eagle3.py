@@ -116,6 +116,8 @@ def test_greedy_device_eagle3_with_mixed_graphs(target, prompts, tmp_path):
     assert _ids(llm.generate(prompts, SP, use_tqdm=False)) == mixed_ref
     eng = llm.engine
     assert eng.runner.graphs.num_mixed_runs > 0 and eng.num_sync_steps == 0
+    # the prompts' catch-ups (and any gap's) replayed in the head's rows buckets
+    assert eng.device_drafting.model_drafter.catch_up.num_replays > 0
     assert llm.get_metrics()["spec_accepted_tokens"] > 0
 
 

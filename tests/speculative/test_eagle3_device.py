@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
+from specserve.speculative.catch_up_graphs import CatchUpGraphs, catch_up_sizes
 from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
 from specserve.speculative.eagle3_chain import Eagle3Chain
 from specserve.speculative.step_cost import SWEEP_REPS
@@ -67,6 +68,9 @@ def test_device_eagle3_drafts_are_the_host_drafters(target, prompts, ref, heads)
     assert a.num_accepted_tokens == b.num_accepted_tokens > 0
 
 
+CATCH_UP_ROWS = 256
+
+
 def _padded(llm) -> FakeGraphs:
     md = llm.engine.device_drafting.model_drafter
     old = md.chain
@@ -74,8 +78,14 @@ def _padded(llm) -> FakeGraphs:
         md._step, md._pick, md._confidence, md.pool, old.hidden.shape[1], old.hidden.dtype, md.width,
         md.block_size, md.trash, padded=True, store=md.inner.store,
     )  # fmt: skip
+    # catch-ups of up to CATCH_UP_ROWS rows in their buckets, longer ones eagerly
+    md.catch_up = CatchUpGraphs(
+        md._catch_up_step, md.pool.num_slots, md.width, md.chain.max_context_len, md.device,
+        max_rows=CATCH_UP_ROWS, padded=True,
+    )  # fmt: skip
     fake = FakeGraphs()
     md.chain.capture(fake, md.head.rotary._table)
+    md.catch_up.capture(fake)
     return fake
 
 
@@ -95,14 +105,19 @@ def test_padded_replayed_chain_drafts_what_the_eager_chain_drafts(
     kw = dict(model=target[0], speculative_config=spec, max_num_seqs=8, overlap=True)
     eager, graphs = make_llm(**kw), make_llm(**kw)
     fake = _padded(graphs)
-    assert fake.captured == 2 * len(chain_buckets(8)) * len(_SHAPES)  # chain, steady
+    # chain, steady; catch-ups
+    assert fake.captured == 2 * len(chain_buckets(8)) * len(_SHAPES) + len(
+        catch_up_sizes(CATCH_UP_ROWS)
+    )
     sp = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
     a = eager.generate(prompts, sp, use_tqdm=False)
     b = graphs.generate(prompts, sp, use_tqdm=False)
     assert fake.replays > 0
-    # most steps caught up inside the graph (the steady state), the rest eagerly (admissions)
-    chain = graphs.engine.device_drafting.model_drafter.chain
-    assert chain.num_steady > chain.num_replays / 2
+    # most steps caught up inside the graph (the steady state), the rest in the catch-up's
+    # graphs (admissions) or, past their largest bucket, eagerly
+    md = graphs.engine.device_drafting.model_drafter
+    assert md.chain.num_steady > md.chain.num_replays / 2
+    assert md.catch_up.num_replays > 0
     assert _ids(a) == _ids(b)
     if temperature == 0.0:
         assert _ids(b) == ref
