@@ -199,25 +199,6 @@ def draft_sampling(
     )
 
 
-class ChainRows:
-    """One row per request for the chained steps after the catch-up: request indices, and the
-    ForwardContext of a chain step at positions `pos` [R]."""
-
-    def __init__(self, lay: CatchUp, r: int, device: torch.device, block_size: int) -> None:
-        self.lay, self.block_size = lay, block_size
-        self.reqs = torch.arange(r, device=device)
-        self.ones = torch.ones(r, dtype=torch.int32, device=device)
-        self.cu1 = torch.arange(r + 1, dtype=torch.int32, device=device)
-
-    def context(self, pos: torch.Tensor) -> ForwardContext:
-        lay = self.lay
-        slots = kv_slots(lay.block_tables, self.reqs, pos, self.block_size)
-        return ForwardContext(
-            self.ones, self.cu1, (pos + 1).to(torch.int32), lay.block_tables, slots, 1,
-            lay.max_context_len,
-        )  # fmt: skip
-
-
 def pick_drafts(
     logits: torch.Tensor,  # [R, Vd] a drafter's logits (Vd: its vocabulary)
     t: SamplingTensors,  # per request, its counters at this draft position

@@ -1,6 +1,7 @@
-"""Steady draft-model drafting inside the step as one CUDA graph per requests bucket and sampling
-shape (draft_graphs.py): the catch-up forward over each request's verify rows padded to k + 1,
-then the k - 1 chained forwards, sampling and the pool writes. The draft model's position p
+"""Draft-model drafting inside the step as CUDA graphs per requests bucket and sampling shape
+(draft_graphs.py): the k - 1 chained forwards, sampling and the pool writes after a catch-up
+that was not steady (catch_up_graphs.py), and in the steady state the catch-up forward over
+each request's verify rows padded to k + 1 before them, all in one graph. The draft model's position p
 feeds token p (draft_model.py): verify row j's token goes to the anchor's position + 1 + j.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from specserve.engine.slots import DraftSlotPool
+from specserve.ops.sampling import SamplingTensors
 from specserve.speculative.catch_up import draft_confidence, pick_drafts
 from specserve.speculative.draft_graphs import DraftGraphs
 
@@ -31,25 +33,57 @@ class DraftModelChain(DraftGraphs):
     ) -> None:
         super().__init__(pool, width, block_size, trash, padded)
         self.forward = forward
+        n, dev = pool.num_slots, pool.device
+        self.tok = torch.zeros(n, dtype=torch.int64, device=dev)  # draft 1
+        self.conf = torch.zeros(n, dtype=torch.float32, device=dev)  # its confidence
 
     def _bodies(self):
-        return {"steady": self._steady_body}
+        return {"chain": self._body, "steady": self._steady_body}
+
+    @torch.inference_mode()
+    def run(
+        self,
+        tok: torch.Tensor,  # [R] int64, draft 1
+        conf: torch.Tensor,  # [R] float32
+        seq_len: torch.Tensor,  # [R] int64
+        num_output: torch.Tensor,  # [R] int64
+        slots: torch.Tensor,  # [R] int64
+        block_tables: torch.Tensor,  # [R, width] int32
+        t: SamplingTensors,  # per request
+    ) -> None:
+        """Drafts 2..k of every request after a catch-up that was not steady; all k drafts and
+        confidences into the pool."""
+        self._load(
+            [(self.tok, tok), (self.conf, conf)], seq_len, num_output, slots, block_tables, t
+        )
+        self._replay(tok.shape[0], t, "chain")
+
+    def _body(self, n: int, shape: str, max_top_k: int = 0) -> None:
+        self._chain(n, self._sampling(n, shape, max_top_k), self.tok[:n], self.conf[:n])
 
     def _steady_body(self, n: int, shape: str, max_top_k: int = 0) -> None:
-        pool, k, slots = self.pool, self.k, self.slots[:n]
         # verify row 0's token goes to the anchor's true position + 1 (the anchor: the length
         # the step wrote, less what it accepted, - 2)
         rows = self._catch_up_rows(n, self.seq_len[:n] - self.accepted[:n] - 1)
         logits = self.forward(rows.tokens, rows.pos, rows.ctx, rows.final)  # at position len - 1
         t = self._sampling(n, shape, max_top_k)
-        drafts: list[torch.Tensor] = []
-        confs: list[torch.Tensor] = []
-        tok = rows.tokens  # replaced by draft 1 before a chained forward reads it
+        tok, q = pick_drafts(
+            logits, t, self.pool, None if t.all_greedy else self.slots[:n] * self.k
+        )
+        self._chain(n, t, tok, draft_confidence(q, tok))
+
+    def _chain(
+        self,
+        n: int,
+        t: SamplingTensors,
+        tok: torch.Tensor,  # [n] draft 1
+        conf: torch.Tensor,  # [n] its confidence
+    ) -> None:
+        pool, k, slots = self.pool, self.k, self.slots[:n]
+        drafts, confs = [tok], [conf]
         contexts = self._chain_contexts(n, self.seq_len[:n])  # draft j at len - 1 + j
-        for j in range(k):
-            if j > 0:  # chained: the previous draft at the next position
-                pos, ctx = contexts[j - 1]
-                logits = self.forward(tok, pos, ctx, self.reqs[:n])
+        for j, (pos, ctx) in enumerate(contexts, 1):  # the previous draft at the next position
+            logits = self.forward(tok, pos, ctx, self.reqs[:n])
             tj = t if t.all_greedy else dataclasses.replace(t, counter=t.counter + j)
             tok, q = pick_drafts(logits, tj, pool, None if t.all_greedy else slots * k + j)
             drafts.append(tok)

@@ -20,10 +20,9 @@ greedy and samples there (runner/graph_tail.py); a step that admits a request ru
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
+from specserve import env
 from specserve.engine.sequence import Sequence
 from specserve.engine.slots import DraftSlotPool
 from specserve.ops.forward_context import ForwardContext, KVCache
@@ -31,7 +30,6 @@ from specserve.runner.step_sampler import SamplerPlan
 from specserve.sample.verify import VerifyResult
 from specserve.speculative.catch_up import (
     CatchUp,
-    ChainRows,
     catch_up_tokens,
     draft_confidence,
     gap_context,
@@ -42,6 +40,7 @@ from specserve.speculative.catch_up import (
     prefix_rows,
     settled,
 )
+from specserve.speculative.catch_up_graphs import CatchUpGraphs
 from specserve.speculative.draft_graphs import SteadyRows
 from specserve.speculative.draft_model import DraftModelDrafter
 from specserve.speculative.draft_model_chain import DraftModelChain
@@ -74,6 +73,11 @@ class DraftModelDeviceDrafter:
             self._logits, pool, self.width, self.block_size, self.trash,
             padded=self.device.type == "cuda",
         )  # fmt: skip
+        # a catch-up that is not steady (a prompt's, a gap's): its forward over any rows
+        self.catch_up = CatchUpGraphs(
+            lambda *rows: (self._logits(*rows),), pool.num_slots, self.width,
+            self.chain.max_context_len, self.device,
+        )  # fmt: skip
 
     def capture(self, backend) -> None:
         """CUDA graphs of steady drafting (after the target's: the draft model's rotary table
@@ -82,6 +86,8 @@ class DraftModelDeviceDrafter:
         self.chain.capture(
             backend, self.model.rotary.table(self.chain.max_context_len, self.device, dtype)
         )
+        if env.settings.mixed_graphs:  # catch-ups over any rows, as the target's mixed steps
+            self.catch_up.capture(backend)
 
     # -- host ---------------------------------------------------------------------------------
     def layout(
@@ -128,20 +134,22 @@ class DraftModelDeviceDrafter:
             self.block_size,
             self.trash,
             self.device,
+            self.width,
         )
 
     def gap_layout(self, seqs: list[Sequence], kv_lens: list[int], anchors: list[int]) -> CatchUp:
         """Positions len .. p0 of each request (len: its KV's valid length, p0: its anchor's
         position), each feeding its own token (shift 0)."""
         spans = [(n, p0 + 1) for n, p0 in zip(kv_lens, anchors)]
-        return pack_gap(seqs, spans, 0, self.block_size, self.trash, self.device)
+        return pack_gap(seqs, spans, 0, self.block_size, self.trash, self.device, self.width)
 
     # -- device -------------------------------------------------------------------------------
     @torch.inference_mode()
     def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
         """The draft model's KV over a gap (anchor [R] int64: each request's anchor token)."""
         _, ctx = gap_context(lay, self.block_size)
-        self.model(catch_up_tokens(lay, lay.tokens, anchor), lay.positions, self.caches, ctx)
+        last = lay.cu_query_lens[1:].to(torch.int64) - 1
+        self.catch_up.run(catch_up_tokens(lay, lay.tokens, anchor), lay.positions, ctx, last)
 
     def _logits(
         self, tokens: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
@@ -179,19 +187,7 @@ class DraftModelDeviceDrafter:
             max_query_len=lay.max_query_len,
             max_context_len=lay.max_context_len,
         )
-        logits = self._logits(tokens, pos, ctx, start + lay.prefix + acc)  # at position len - 1
-        chain = ChainRows(lay, seq_len.shape[0], seq_len.device, self.block_size)
-        drafts, confs = [], []
-        base = plan.slots * k
-        tok = tokens
-        for j in range(k):
-            if j > 0:  # chained: the previous draft at the next position
-                pos = seq_len - 1 + j
-                logits = self._logits(tok, pos, chain.context(pos), chain.reqs)
-            tj = dataclasses.replace(t, counter=num_output + j)
-            # q: the same filtered family as the target's p
-            tok, q = pick_drafts(logits, tj, pool, base + j)
-            drafts.append(tok)
-            confs.append(draft_confidence(q, tok))
-        pool.draft_ids.index_copy_(0, plan.slots, torch.stack(drafts, 1))
-        pool.draft_conf.index_copy_(0, plan.slots, torch.stack(confs, 1))
+        (logits,) = self.catch_up.run(tokens, pos, ctx, start + lay.prefix + acc)  # at len - 1
+        tok, q = pick_drafts(logits, t, pool, plan.slots * k)  # q: the target p's family
+        conf = draft_confidence(q, tok)
+        self.chain.run(tok, conf, seq_len, num_output, plan.slots, lay.block_tables, t)

@@ -270,13 +270,22 @@ def _draft_model_engine(tmp_path, draft: str, **kw) -> dict:
     )
 
 
+CATCH_UP_ROWS = 256
+
+
 def _padded_draft_model(llm):
-    """The draft model's steady chain padded to buckets, as on CUDA, captured on fake graphs."""
+    """The draft model's chain and catch-ups padded to buckets, as on CUDA, captured on fake
+    graphs."""
+    from specserve.speculative.catch_up_graphs import CatchUpGraphs
     from specserve.speculative.draft_model_chain import DraftModelChain
     from tests.speculative.fake_graphs import FakeGraphs
 
     md = llm.engine.device_drafting.model_drafter
     md.chain = DraftModelChain(md._logits, md.pool, md.width, md.block_size, md.trash, True)
+    md.catch_up = CatchUpGraphs(
+        lambda *rows: (md._logits(*rows),), md.pool.num_slots, md.width,
+        md.chain.max_context_len, md.device, max_rows=CATCH_UP_ROWS, padded=True,
+    )  # fmt: skip
     fake = FakeGraphs()
     md.capture(fake)
     return md, fake
@@ -286,21 +295,26 @@ def _padded_draft_model(llm):
 def test_padded_replayed_draft_model_drafts_what_the_eager_path_drafts(
     tmp_path, draft, temperature
 ):
-    """Steady draft-model drafting as the CUDA graphs run it (draft_model_chain.py: catch-up
-    padded to k + 1 rows a request, then the chain), replayed on the CPU, drafts what the eager
+    """Draft-model drafting as the CUDA graphs run it (draft_model_chain.py: steady, the
+    catch-up padded to k + 1 rows a request, then the chain; else the catch-up in its rows
+    bucket, catch_up_graphs.py, then the chain), replayed on the CPU, drafts what the eager
     path drafts, to the token: the same outputs and the same draft and accept counts. The
     target drafting for itself must have every draft accepted (a wrong position or token
     anywhere would show as a rejection); another model gets some rejected."""
+    from specserve.speculative.catch_up_graphs import catch_up_sizes
     from specserve.speculative.draft_graphs import _SHAPES, chain_buckets
 
     kw = _draft_model_engine(tmp_path, draft)
     eager, graphs = make_llm(**kw), make_llm(**kw)
     md, fake = _padded_draft_model(graphs)
-    assert fake.captured == len(chain_buckets(8)) * len(_SHAPES)
+    assert fake.captured == 2 * len(chain_buckets(8)) * len(_SHAPES) + len(
+        catch_up_sizes(CATCH_UP_ROWS)
+    )
     prompts = prompts_of([12, 30, 8, 5, 17, 9], seed=4)
     sp = SamplingParams(temperature=temperature, seed=2, max_tokens=24, ignore_eos=True)
     assert _run(graphs, prompts, sp) == _run(eager, prompts, sp)
     assert md.chain.num_steady > 0 and fake.replays >= md.chain.num_steady
+    assert md.catch_up.num_replays > 0
     sa, sb = eager.engine.ledger.spec, graphs.engine.ledger.spec
     assert (sb.num_draft_tokens, sb.num_accepted_tokens) == (
         sa.num_draft_tokens,
