@@ -110,6 +110,8 @@ def test_device_drafting_matches_speculation_off(
     if md is not None:  # the draft model's steady drafting: graphs, or their eager twin
         assert md.chain.num_steady > 0
         assert (md.chain.num_replays > 0) == (not enforce_eager)
+        # prompts' catch-ups in the rows buckets' graphs (catch_up_graphs.py)
+        assert (md.catch_up.num_replays > 0) == (not enforce_eager)
 
 
 @pytest.mark.parametrize("spec", [NGRAM, GOLDEN, SELF], ids=["ngram", "golden", "draft-model"])
