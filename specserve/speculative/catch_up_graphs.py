@@ -102,13 +102,14 @@ class CatchUpGraphs:
         positions: torch.Tensor,  # [C] int64
         ctx: ForwardContext,  # R requests over the C rows
         rows: torch.Tensor,  # [R] int64, the rows whose outputs come back
+        eager: bool = False,
     ) -> Outputs:
         """The forward's outputs at `rows`, each [R, ...]: replayed in the smallest bucket that
-        holds the C rows, else eagerly."""
+        holds the C rows, else (or when asked) eagerly."""
         c, r = tokens.shape[0], rows.shape[0]
         w = ctx.block_tables.shape[1]
         i = bisect.bisect_left(self.sizes, c)
-        if not self._replays or i == len(self.sizes) or w > self.block_tables.shape[1]:
+        if eager or not self._replays or i == len(self.sizes) or w > self.block_tables.shape[1]:
             return self.forward(tokens, positions, ctx, rows)
         b = self.sizes[i]
         rb = self._reqs(b)

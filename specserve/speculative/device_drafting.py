@@ -216,9 +216,10 @@ class DeviceDrafting:
 
     @torch.inference_mode()
     def warm_gaps(self) -> None:
-        """Run the gap catch-up once at each of GAP_WARMUP's shapes (rows, requests) before
-        serving, over blocks no request holds yet: its rows vary from step to step, and a
-        Triton kernel variant first met mid-run stalls that step for about a second (H100)."""
+        """Run the gap catch-up eagerly once at each of GAP_WARMUP's shapes (rows, requests)
+        before serving, over blocks no request holds yet: a catch-up past the rows buckets'
+        graphs (catch_up_graphs.py) runs eagerly, its rows vary from step to step, and a Triton
+        kernel variant first met mid-run stalls that step for about a second (H100)."""
         md = self.model_drafter
         bs = md.block_size
         for rows, reqs in GAP_WARMUP:
@@ -232,7 +233,7 @@ class DeviceDrafting:
                  [i for i in range(reqs) for _ in range(per)], [False] * per * reqs),
                 [per] * reqs, [per] * reqs, tables, per, bs, md.trash, self.device,
             )  # fmt: skip
-            md.catch_up_gap(lay, torch.zeros(reqs, dtype=torch.int64, device=self.device))
+            md.catch_up_gap(lay, torch.zeros(reqs, dtype=torch.int64, device=self.device), True)
 
     # -- host ---------------------------------------------------------------------------------
     def admit(self, seqs: list[Sequence]) -> list[Admission]:

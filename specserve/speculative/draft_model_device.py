@@ -145,11 +145,12 @@ class DraftModelDeviceDrafter:
 
     # -- device -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
-        """The draft model's KV over a gap (anchor [R] int64: each request's anchor token)."""
+    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor, eager: bool = False) -> None:
+        """The draft model's KV over a gap (anchor [R] int64: each request's anchor token;
+        eager: outside the rows buckets' graphs, warm_gaps)."""
         _, ctx = gap_context(lay, self.block_size)
         last = lay.cu_query_lens[1:].to(torch.int64) - 1
-        self.catch_up.run(catch_up_tokens(lay, lay.tokens, anchor), lay.positions, ctx, last)
+        self.catch_up.run(catch_up_tokens(lay, lay.tokens, anchor), lay.positions, ctx, last, eager)
 
     def _logits(
         self, tokens: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor

@@ -159,12 +159,13 @@ class Eagle3DeviceDrafter:
 
     # -- device -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor) -> None:
-        """The head's KV over a gap (anchor [R] int64: each request's anchor token)."""
+    def catch_up_gap(self, lay: CatchUp, anchor: torch.Tensor, eager: bool = False) -> None:
+        """The head's KV over a gap (anchor [R] int64: each request's anchor token;
+        eager: outside the rows buckets' graphs, warm_gaps)."""
         _, ctx = gap_context(lay, self.block_size)
         tokens = catch_up_tokens(lay, lay.tokens, anchor)
         last = lay.cu_query_lens[1:].to(torch.int64) - 1
-        self.catch_up.run(tokens, lay.positions, ctx, last)
+        self.catch_up.run(tokens, lay.positions, ctx, last, eager)
 
     def _catch_up_step(
         self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor
