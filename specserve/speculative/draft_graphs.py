@@ -123,6 +123,9 @@ class DraftGraphs:
         self.row_req, self.row_j = rows // k1, rows % k1  # [n * (k + 1)]
         self.cu_k1 = torch.arange(n + 1, dtype=torch.int32, device=dev) * k1
         self.k1s = torch.full((n,), k1, dtype=torch.int32, device=dev)
+        # the chain after a catch-up that was not steady: draft 1 and its confidence
+        self.tok = torch.zeros(n, **i64)
+        self.conf = torch.zeros(n, **f32)
         self._replays: dict[tuple, Callable[[], None]] = {}
         self._keepalive: list[torch.Tensor] = []
         self.num_replays = 0
@@ -183,6 +186,26 @@ class DraftGraphs:
         n = next((b for b in self.buckets if b >= r), r)
         if n > r:
             self._pad(r, n)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        tok: torch.Tensor,  # [R] int64, draft 1
+        conf: torch.Tensor,  # [R] float32
+        seq_len: torch.Tensor,  # [R] int64
+        num_output: torch.Tensor,  # [R] int64
+        slots: torch.Tensor,  # [R] int64
+        block_tables: torch.Tensor,  # [R, width] int32
+        t: SamplingTensors,  # per request
+        extra: tuple = (),  # (static buffer, value) pairs of a drafter's own chain inputs
+    ) -> None:
+        """Drafts 2..k of every request after a catch-up that was not steady (catch_up_graphs.py);
+        all k drafts and confidences into the pool."""
+        self._load(
+            [(self.tok, tok), (self.conf, conf), *extra], seq_len, num_output, slots,
+            block_tables, t,
+        )  # fmt: skip
+        self._replay(tok.shape[0], t, "chain")
 
     def _replay(self, r: int, t: SamplingTensors, name: str) -> None:
         self._replay_shape(r, sampling_shape(t), name, t.max_top_k)

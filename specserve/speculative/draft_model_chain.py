@@ -33,30 +33,9 @@ class DraftModelChain(DraftGraphs):
     ) -> None:
         super().__init__(pool, width, block_size, trash, padded)
         self.forward = forward
-        n, dev = pool.num_slots, pool.device
-        self.tok = torch.zeros(n, dtype=torch.int64, device=dev)  # draft 1
-        self.conf = torch.zeros(n, dtype=torch.float32, device=dev)  # its confidence
 
     def _bodies(self):
         return {"chain": self._body, "steady": self._steady_body}
-
-    @torch.inference_mode()
-    def run(
-        self,
-        tok: torch.Tensor,  # [R] int64, draft 1
-        conf: torch.Tensor,  # [R] float32
-        seq_len: torch.Tensor,  # [R] int64
-        num_output: torch.Tensor,  # [R] int64
-        slots: torch.Tensor,  # [R] int64
-        block_tables: torch.Tensor,  # [R, width] int32
-        t: SamplingTensors,  # per request
-    ) -> None:
-        """Drafts 2..k of every request after a catch-up that was not steady; all k drafts and
-        confidences into the pool."""
-        self._load(
-            [(self.tok, tok), (self.conf, conf)], seq_len, num_output, slots, block_tables, t
-        )
-        self._replay(tok.shape[0], t, "chain")
 
     def _body(self, n: int, shape: str, max_top_k: int = 0) -> None:
         self._chain(n, self._sampling(n, shape, max_top_k), self.tok[:n], self.conf[:n])
@@ -72,13 +51,8 @@ class DraftModelChain(DraftGraphs):
         )
         self._chain(n, t, tok, draft_confidence(q, tok))
 
-    def _chain(
-        self,
-        n: int,
-        t: SamplingTensors,
-        tok: torch.Tensor,  # [n] draft 1
-        conf: torch.Tensor,  # [n] its confidence
-    ) -> None:
+    def _chain(self, n: int, t: SamplingTensors, tok: torch.Tensor, conf: torch.Tensor) -> None:
+        """Drafts 2..k after draft 1 `tok` [n] (its confidence `conf` [n]); all into the pool."""
         pool, k, slots = self.pool, self.k, self.slots[:n]
         drafts, confs = [tok], [conf]
         contexts = self._chain_contexts(n, self.seq_len[:n])  # draft j at len - 1 + j

@@ -44,32 +44,11 @@ class Eagle3Chain(DraftGraphs):
     ) -> None:
         super().__init__(pool, width, block_size, trash, padded)
         self.step, self.pick, self.confidence, self.store = step, pick, confidence, store
-        n, dev = pool.num_slots, pool.device
-        self.tok = torch.zeros(n, dtype=torch.int64, device=dev)  # draft 1
-        self.conf = torch.zeros(n, dtype=torch.float32, device=dev)  # its confidence
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)  # its prenorm
+        # draft 1's prenorm, beside draft_graphs' tok and conf
+        self.hidden = torch.zeros(pool.num_slots, hidden_size, dtype=dtype, device=pool.device)
 
     def _bodies(self):
         return {"chain": self._body, "steady": self._steady_body}
-
-    @torch.inference_mode()
-    def run(
-        self,
-        tok: torch.Tensor,  # [R] int64, draft 1
-        conf: torch.Tensor,  # [R] float32
-        hidden: torch.Tensor,  # [R, H] draft 1's prenorm
-        seq_len: torch.Tensor,  # [R] int64
-        num_output: torch.Tensor,  # [R] int64
-        slots: torch.Tensor,  # [R] int64
-        block_tables: torch.Tensor,  # [R, width] int32
-        t: SamplingTensors,  # per request
-    ) -> None:
-        """Drafts 2..k of every request; all k drafts and confidences into the pool."""
-        self._load(
-            [(self.tok, tok), (self.conf, conf), (self.hidden, hidden)],
-            seq_len, num_output, slots, block_tables, t,
-        )  # fmt: skip
-        self._replay(tok.shape[0], t, "chain")
 
     def _body(self, n: int, shape: str, max_top_k: int = 0) -> None:
         t = self._sampling(n, shape, max_top_k)

@@ -244,4 +244,7 @@ class Eagle3DeviceDrafter:
         prenorm, logits, conf_logit = self.catch_up.run(tokens, pos, ctx, final)
         tok, q = self._pick(logits, t, plan.slots * k)
         conf = self._confidence(conf_logit, q, tok, 0)
-        self.chain.run(tok, conf, prenorm, seq_len, num_output, plan.slots, lay.block_tables, t)
+        self.chain.run(
+            tok, conf, seq_len, num_output, plan.slots, lay.block_tables, t,
+            extra=((self.chain.hidden, prenorm),),
+        )  # fmt: skip
