@@ -1,8 +1,9 @@
 """Draft-model drafting inside the step as CUDA graphs per requests bucket and sampling shape
 (draft_graphs.py): the k - 1 chained forwards, sampling and the pool writes after a catch-up
 that was not steady (catch_up_graphs.py), and in the steady state the catch-up forward over
-each request's verify rows padded to k + 1 before them, all in one graph. The draft model's position p
-feeds token p (draft_model.py): verify row j's token goes to the anchor's position + 1 + j.
+each request's verify rows padded to k + 1 before them, all in one graph. The draft model's
+position p feeds token p (draft_model.py): verify row j's token goes to the anchor's
+position + 1 + j.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ lengths the step just wrote. The k - 1 chained steps then run one row per reques
 len, len + 1, ... (blocks grown k - 1 positions past the rows by the scheduler; past them the
 trash block). On CUDA a steady step (no request with prompt rows) replays one CUDA graph for
 all of it (draft_model_chain.py), its inputs written by the target's graph tail when the step is
-greedy and samples there (runner/graph_tail.py); a step that admits a request runs eagerly.
+greedy and samples there (runner/graph_tail.py); any other catch-up (a step that admits a
+request, a gap) replays the graph of its rows bucket (catch_up_graphs.py), then the chain's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """EAGLE-3 drafting inside the step as CUDA graphs (draft_graphs.py has the buffers, buckets
-and sampling shapes): the chained head steps (drafts 2..k) after an eager catch-up, and in the
-steady state the catch-up step before them too, all in one graph.
+and sampling shapes): the chained head steps (drafts 2..k) after a catch-up that was not steady
+(catch_up_graphs.py), and in the steady state the catch-up step before them too, all in one
+graph.
 
 A head step at position p feeds token p + 1 and a hidden state: the target's fused g_p (from
 the store its sink filled in the forward) at the catch-up, the previous step's prenorm output
