@@ -109,12 +109,10 @@ def startup_curve(engine: LLMEngine, buckets: list[int], cache_root: Path | None
     """The curve from the start-up sweep over `buckets` (measured, or read from the cache)."""
     padded = engine.runner.graphs is not None  # steps up to the largest bucket run padded
     path = _cache_path(engine, buckets, cache_root)
-    startup = None
-    if path is not None and path.exists():
-        try:
-            startup = json.loads(path.read_text())
-        except (OSError, ValueError):
-            startup = None
+    try:
+        startup = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):  # none yet, or unreadable: measured again
+        startup = None
     if not isinstance(startup, list) or len(startup) != len(buckets):
         startup = []
         for b in buckets:
@@ -129,14 +127,12 @@ def startup_curve(engine: LLMEngine, buckets: list[int], cache_root: Path | None
 def _cache_path(engine: LLMEngine, buckets: list[int], root: Path | None) -> Path | None:
     if root is None:
         return None
-    eng = engine
-    dev = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
-    key = f"{eng.model_name}|{dev}|{eng.dtype}|{eng.kv_dtype}|{torch.get_num_threads()}|{buckets}"
-    key += f"|{eng.config.block_size}|eager={eng.config.enforce_eager}|k={eng.slot_pool.k}|sweep3"
-    key += f"|tp={eng.config.tensor_parallel_size}|linear={env.settings.cpu_linear}"
-    key += f"|fused={env.settings.fused_ops}|layer={env.settings.cpu_layer}"
-    head = getattr(eng.target_model, "lm_head", None)
-    key += f"|head={head.extra_repr() if head is not None else ''}|amx={env.settings.cpu_amx}"
+    e, c, s = engine, engine.config, env.settings
+    dev = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
+    head = getattr(e.target_model, "lm_head", None)
+    key = repr((e.model_name, dev, e.dtype, e.kv_dtype, torch.get_num_threads(), buckets))
+    key += repr((c.block_size, c.enforce_eager, e.slot_pool.k, SWEEP_REPS, c.tensor_parallel_size))
+    key += repr((s.cpu_linear, s.fused_ops, s.cpu_layer, s.cpu_amx, head and head.extra_repr()))
     return root / "step-cost" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
 
 

@@ -1,10 +1,8 @@
 """The verify budget: how many draft rows the next step verifies, and which ones.
 
-Survival a[i][j] = prod_{m <= j} c[i][m] estimates that draft j of request i is accepted. A step
-of base_rows rows plus M draft rows yields n + (their survivals) tokens in expectation and costs
-step_time(base_rows + M); `choose` keeps the M of the best rate, its rows the M largest
-survivals (a prefix per request). M = 0 is a plain step. A model drafter drafting on the device
-also chooses whether to draft at all (`VerifyBudget.plan`), by what its drafting steps realized.
+A step of base_rows rows plus M draft rows yields n + (their survivals) tokens in expectation
+and costs step_time(base_rows + M); `choose` keeps the M of the best rate (M = 0: a plain step).
+A model drafter on the device also chooses whether to draft at all (`VerifyBudget.plan`).
 docs/verify_budget.md has the why.
 """
 
@@ -24,9 +22,7 @@ from specserve.speculative.step_cost import SWEEP_REPS, WINDOW, StepCostCurve, s
 if TYPE_CHECKING:
     from specserve.llm_engine import LLMEngine
 
-# every EXPLORE_EVERY-th allot verifies all drafts of one request: confidences and the curve
-# learn only from rows that run, so a pessimistic start would otherwise never be corrected
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 16  # every such allot verifies one request's every draft: only rows run teach
 
 
 class StepPlan(NamedTuple):
@@ -43,8 +39,7 @@ class BudgetChoice(NamedTuple):
 
 def survivals(confidences: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
     """[n, k] running products of the confidences, clamped to [0, 1] (NaN counts as 0)."""
-    c = np.asarray(confidences, dtype=np.float64)
-    # where and minimum, not nan_to_num and clip: the same values in a fraction of the host time
+    c = np.asarray(confidences, dtype=np.float64)  # where/minimum: clip's values, less host time
     return np.multiply.accumulate(np.where(c > 0.0, np.minimum(c, 1.0), 0.0), axis=-1)
 
 
@@ -82,13 +77,11 @@ class VerifyBudget:
     def __init__(self, curve: StepCostCurve, max_rows: int, drafting: bool = False) -> None:
         self.curve, self.max_rows = curve, max_rows
         self.drafting = drafting  # a model drafter on the device: drafting itself is a choice
-        self.num_drafting_steps = 0  # plans that drafted
-        self.num_plain_steps = 0  # plans that did not
+        self.num_drafting_steps = self.num_plain_steps = 0  # plans that drafted / did not
         self._plain_run = 0  # plans since the last that drafted
         self._backoff = 1  # the exploration interval, in EXPLORE_EVERY, while drafting loses
         self._exploring = False  # drafting to measure its yield afresh
-        # recent steady drafting steps: (requests, tokens, seconds, seconds past the curve's
-        # price of their rows: the drafter's chain and its host work)
+        # recent steady drafting steps: (requests, tokens, seconds, seconds past the curve)
         self._yield: deque[tuple[int, int, float, float]] = deque(maxlen=WINDOW)
         self._pays: bool | None = None  # drafting_pays() of the current _yield
         self.offered_rows = 0  # draft rows of nonzero survival within room, offered to allot()
@@ -115,23 +108,20 @@ class VerifyBudget:
         self.curve.observe(total_q, seconds)
 
     def observe_drafting(self, requests: int, tokens: int, rows: int, seconds: float) -> None:
-        """A real steady drafting step (it drafted, and verified what the drafting step before
-        it made for its requests): the tokens they emitted, its rows (anchors + drafts) and its
-        seconds."""
+        """A real steady drafting step: the tokens its requests emitted, its rows (anchors +
+        drafts) and seconds."""
         self._yield.append((requests, tokens, seconds, seconds - self.curve(rows)))
         self._pays = None
 
     def chain_seconds(self) -> float:
-        """What drafting adds to a step, by the recent drafting steps: their median seconds
-        past the curve's price of their rows (0 before any)."""
+        """What drafting adds to a step: the recent drafting steps' median seconds past the
+        curve's price of their rows (0 before any)."""
         return max(0.0, statistics.median(y[3] for y in self._yield)) if self._yield else 0.0
 
     def drafting_pays(self) -> bool:
         """Did the recent drafting steps emit more tokens a second than plain steps of the same
-        requests would (the curve's price of their request counts)? Measured, not priced: a
-        drafting step's cost grows with its requests (the chain runs for each), which the
-        curve's rows do not see. Unmeasured: yes (tried, then measured). Decided again only
-        when a drafting step is measured: a plain step's budget work stays a few lookups."""
+        requests would, on the curve? Unmeasured: yes. Decided again only when a drafting step
+        is measured, so a plain step's budget work stays a few lookups."""
         if not self._yield:
             return True
         if self._pays is None:
@@ -148,11 +138,10 @@ class VerifyBudget:
         has_drafts: np.ndarray,
         may_draft: bool,
     ) -> StepPlan:
-        """A model drafter's step: whether it drafts (drafting_pays, or exploring: after
-        EXPLORE_EVERY * backoff plain plans, drafting until SWEEP_REPS steps verified drafts;
-        backoff doubles while drafting loses) and the drafts each request verifies of those it
-        has (has_drafts [n]; conf [n, k]: their confidences), a drafting step priced as the
-        curve's plus chain_seconds()."""
+        """A model drafter's step: whether it drafts (it pays, or it explores: after
+        EXPLORE_EVERY * backoff plain plans, until SWEEP_REPS steps verified drafts; backoff
+        doubles while drafting loses), and the drafts each request verifies of those it holds
+        (has_drafts [n], conf [n, k]), a drafting step priced at the curve + chain_seconds()."""
         assert self.drafting
         if self._exploring and len(self._yield) >= SWEEP_REPS:
             self._exploring = False
@@ -184,9 +173,8 @@ class VerifyBudget:
         room: Sequence[int] | None = None,
         times: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> list[int]:
-        """The drafts each request verifies: choose() against the curve (the step priced as
-        these requests' decode step: prompt chunks beside it run anyway; `times`: another
-        price), exploration, metrics."""
+        """The drafts each request verifies: choose() against the curve (or `times`) with the
+        step priced as its decode rows' (prompt chunks beside them run anyway), exploration."""
         surv = _in_room(surv, room)
         if not surv.any():  # nothing to verify (a plain step): no choice to make or to explore
             self._kept[0] += surv.shape[0]
