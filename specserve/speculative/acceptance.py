@@ -52,8 +52,7 @@ class AcceptanceEstimator:
         own = self.per_request.setdefault(request_id, {})
         own.setdefault(kind, PositionCounts()).record(num_drafts, num_accepted)
 
-    def rates(self, n: int, kind: int = 0) -> list[float]:
-        """The engine-wide rates of positions 0..n-1 for drafts of this kind."""
+    def rates(self, n: int, kind: int = 0) -> list[float]:  # engine-wide, positions 0..n-1
         counts = self.global_rates.get(kind) or PositionCounts()
         return [counts.rate(j, PRIOR_RATE) for j in range(n)]
 

@@ -33,25 +33,21 @@ class StepCostCurve:
     def __init__(self, buckets: list[int], startup: list[float], padded: bool) -> None:
         assert buckets == sorted(set(buckets)) and len(startup) == len(buckets)
         self.buckets = np.asarray(buckets, dtype=np.int64)
-        self.startup = np.asarray(startup, dtype=np.float64)
         self.padded = padded
-        self._value = self.startup.copy()  # per bucket: its real median, else its start-up price
+        self._value = np.asarray(startup, dtype=np.float64)  # per bucket: real median, or start-up
         self._real: list[deque[float]] = [deque(maxlen=WINDOW) for _ in buckets]
         self._warm = np.zeros(len(buckets), dtype=bool)  # its warm-up step has been left out
         self._env: np.ndarray | None = None
-        # the machine's speed: the median of seconds over reference on recent steps of priced
-        # buckets; real steps are kept divided by it, so a bucket measured in a slow minute
-        # keeps its price relative to the others. A bucket's reference is its first price,
-        # frozen: a ratio to its current price would feed the speed back into itself (a
-        # random walk on a steady machine)
+        # the machine's speed: median seconds / reference over recent steps of priced buckets
+        # (real steps are kept divided by it); a bucket's reference is its first real price,
+        # frozen: its current price would feed the speed back into itself (a random walk)
         self._ratios: deque[float] = deque(maxlen=WINDOW)
         self._ref = np.zeros(len(buckets))  # 0: not priced yet
         self.speed = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
         """A real decode/verify step of `rows` total rows took `seconds`."""
-        top = int(self.buckets[-1])
-        if rows <= 0 or seconds <= 0 or rows > top:
+        if rows <= 0 or seconds <= 0 or rows > self.buckets[-1]:
             return  # past the largest bucket: extrapolated, never folded into it
         i = int(np.searchsorted(self.buckets, rows))  # the bucket at or above rows
         b = int(self.buckets[i])
@@ -70,16 +66,13 @@ class StepCostCurve:
             self._ref[i] = self._ref[i] or self._value[i]
             self._env = None
 
-    def _priced(self, i: int) -> bool:
-        return len(self._real[i]) >= SWEEP_REPS
-
     def observed(self, rows: int) -> bool:
-        return self._priced(int(np.searchsorted(self.buckets, rows)))
+        return len(self._real[int(np.searchsorted(self.buckets, rows))]) >= SWEEP_REPS
 
     def envelope(self) -> np.ndarray:
         """[buckets] the monotone per-bucket prices."""
         if self._env is None:
-            seen = np.array([self._priced(i) for i in range(len(self._real))])
+            seen = np.array([len(r) >= SWEEP_REPS for r in self._real])
             # an unmeasured bucket costs at least every measured smaller one: one never
             # reached would otherwise cap every bucket below it at its start-up price
             floor = np.maximum.accumulate(np.where(seen, self._value, 0.0))
