@@ -65,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "rows buckets' graphs (speculative/catch_up_graphs.py): the same steps without them",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument(
+        "--trace", default=None, help="--mixed: the host-and-device profile as a Chrome trace"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
+        if args.trace:
+            ops.export_chrome_trace(args.trace)
         avg = ops.key_averages()
         print(
             avg.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60)

@@ -24,7 +24,13 @@ def h2d(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device)
     cpu = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return cpu
-    return cpu.pin_memory().to(device, non_blocking=True)
+    return to_pinned(cpu).to(device, non_blocking=True)
+
+
+def to_pinned(cpu: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of a host tensor. Not `.pin_memory()`: its is_pinned check asks the driver
+    about the pointer, a host cost per upload that a step of many small ones adds up."""
+    return torch.empty(cpu.shape, dtype=cpu.dtype, pin_memory=True).copy_(cpu)
 
 
 def pinned_empty(
@@ -60,25 +66,28 @@ def h2d_packed(
     hide."""
     if device.type != "cuda":
         return [torch.as_tensor(v, dtype=d) for v, d in arrays]
-    return packed_views(arrays, lambda buf: buf.pin_memory().to(device, non_blocking=True))
+    return packed_views(arrays, lambda buf: buf.to(device, non_blocking=True), pin=True)
 
 
 def packed_views(
     arrays: Sequence[tuple[Sequence | np.ndarray, torch.dtype]],
     move: Callable[[torch.Tensor], torch.Tensor],
+    pin: bool = False,
 ) -> list[torch.Tensor]:
-    """The arrays packed into one uint8 buffer, `move`d, then viewed. Each starts on a 16-byte
-    boundary: Triton specialises a kernel on its pointer arguments' 16-byte alignment, so views
-    whose alignment followed the arrays' lengths would compile a new variant mid-run."""
+    """The arrays packed into one uint8 buffer (pinned: written in place, no staging copy),
+    `move`d, then viewed. Each starts on a 16-byte boundary: Triton specialises a kernel on its
+    pointer arguments' 16-byte alignment, so views whose alignment followed the arrays' lengths
+    would compile a new variant mid-run."""
     nps = [np.ascontiguousarray(v, dtype=_NP[d]) for v, d in arrays]
     offsets, total = [], 0
     for a in nps:
         offsets.append(total)
         total += -(-a.nbytes // 16) * 16
-    host = np.zeros(max(total, 16), dtype=np.uint8)
+    buf = torch.zeros(max(total, 16), dtype=torch.uint8, pin_memory=pin)
+    host = buf.numpy()
     for a, o in zip(nps, offsets):
         host[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
-    buf = move(torch.from_numpy(host))
+    buf = move(buf)
     return [
         buf[o : o + a.nbytes].view(d).view(a.shape) for a, o, (_, d) in zip(nps, offsets, arrays)
     ]

@@ -229,3 +229,29 @@ def test_no_host_sync_inside_a_deferred_step(cuda: torch.device) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert steps > 20 and eng.num_deferred_steps - deferred > 10
+
+
+def test_uploads_are_exact_and_never_sync(cuda: torch.device) -> None:
+    """h2d and h2d_packed stage through pinned memory they fill in place: the values arrive
+    whole, with a step in flight and the sync guard on."""
+    from specserve.ops.transfer import h2d, h2d_packed
+
+    if cuda.type != "cuda":
+        pytest.skip("pinned staging is CUDA's")
+    busy = torch.randn(2048, 2048, device=cuda)
+    rng = random.Random(0)
+    for n in (0, 1, 7, 1000):
+        ints = [rng.randrange(-(2**40), 2**40) for _ in range(n)]
+        floats = [rng.random() for _ in range(n + 3)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            busy = busy @ busy  # a device still running when the uploads are queued
+            a = h2d(ints, torch.int64, cuda)
+            b, c, d = h2d_packed(
+                [(ints, torch.int64), (floats, torch.float32), ([True] * n, torch.bool)], cuda
+            )
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert a.tolist() == ints == b.tolist()
+        assert c.cpu().tolist() == torch.tensor(floats, dtype=torch.float32).tolist()
+        assert d.tolist() == [True] * n and d.dtype == torch.bool
