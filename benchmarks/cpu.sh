@@ -16,15 +16,16 @@ decode() {
 sweep() {
   $S bench spec-sweep --method ngram --k 4 --dataset humaneval --concurrency 1,4,16,64 --requests-per-slot 2 --min-requests 8 --max-tokens 96 --dtype float32 --device cpu --repeats 5 --interleave --json "$OUT/spec_sweep_humaneval.json" --plot "$OUT/spec_sweep_humaneval.png"
 }
-# speculation on held-out chat prompts at batch 1: n-gram and the shipped EAGLE-3 head
+# speculation on held-out chat prompts at batch 1 (answers to their end or 256 tokens, as on the
+# GPU): n-gram and the shipped EAGLE-3 head
 chat() {
   for m in ngram eagle3; do
     f=$([ $m = ngram ] && echo ngram_chat_c1 || echo eagle3_cpu_c1)
     # a missed check exits 1 (its JSON is written): go on to the next drafter
-    $S bench spec-sweep --method $m --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 64 --repeats 5 --interleave --json "$OUT/$f.json" || true
+    $S bench spec-sweep --method $m --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 256 --repeats 5 --interleave --json "$OUT/$f.json" || true
   done
   # int8 weights, the head's quantized with the target's
-  $S bench spec-sweep --method eagle3 --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 64 --repeats 5 --interleave --quantization int8 --json "$OUT/eagle3_cpu_c1_int8.json" || true
+  $S bench spec-sweep --method eagle3 --k 5 --dataset sharegpt-chat --concurrency 1 --max-tokens 256 --repeats 5 --interleave --quantization int8 --json "$OUT/eagle3_cpu_c1_int8.json" || true
 }
 # where a decode step's time goes, batch 1 and 64
 profile() {

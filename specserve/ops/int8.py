@@ -63,9 +63,10 @@ def weight_only_linear(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """bf16(bf16(x) @ q^T) * scale, by either kernel. Both accumulate the same exact products in
     fp32 and round once to bf16, so they agree but for the order of the fp32 sums (measured: 0
-    to 7 in 10^5 outputs differ by one bf16 ulp): a request's rows barely depend on how many
-    rows its step has, which keeps greedy speculation (verify rows) equal to plain decoding.
-    The scale is applied after that rounding, in fp32, for the same reason."""
+    to 7 in 10^5 outputs differ by one bf16 ulp). A row's result is the same at 1 to 8 rows
+    (batch-1 verify steps run the decode kernel); across the two kernels greedy outputs can
+    differ (a prefix-cache hit, chunking, steps of more than 8 rows: docs/cpu.md). The scale
+    is applied after the rounding, in fp32, so the kernels share it."""
     xb = x.to(torch.bfloat16)
     if x.shape[0] == 0:
         return x.new_zeros((0, q.shape[0]))
