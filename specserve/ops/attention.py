@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from specserve.ops import cpu_attention
 from specserve.ops.forward_context import ForwardContext, KVCache
-from specserve.ops.transfer import to_pinned
 from specserve.ops.triton_attention import paged_attention_triton, use_triton, write_kv_triton
 
 # Requests with at most this many query rows are batched into the padded path. Above it a
@@ -157,7 +156,7 @@ def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tenso
     """All of a plan's host-built index lists in ONE copy, pinned and async: no device sync."""
     flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
     if device.type != "cpu":
-        flat = to_pinned(flat).to(device, non_blocking=True)
+        flat = flat.pin_memory().to(device, non_blocking=True)
     return list(flat.split([len(xs) for xs in lists]))
 
 

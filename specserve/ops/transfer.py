@@ -24,13 +24,7 @@ def h2d(values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device)
     cpu = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return cpu
-    return to_pinned(cpu).to(device, non_blocking=True)
-
-
-def to_pinned(cpu: torch.Tensor) -> torch.Tensor:
-    """A pinned copy of a host tensor. Not `.pin_memory()`: its is_pinned check asks the driver
-    about the pointer, a host cost per upload that a step of many small ones adds up."""
-    return torch.empty(cpu.shape, dtype=cpu.dtype, pin_memory=True).copy_(cpu)
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 def pinned_empty(
@@ -74,10 +68,10 @@ def packed_views(
     move: Callable[[torch.Tensor], torch.Tensor],
     pin: bool = False,
 ) -> list[torch.Tensor]:
-    """The arrays packed into one uint8 buffer (pinned: written in place, no staging copy),
-    `move`d, then viewed. Each starts on a 16-byte boundary: Triton specialises a kernel on its
-    pointer arguments' 16-byte alignment, so views whose alignment followed the arrays' lengths
-    would compile a new variant mid-run."""
+    """The arrays packed into one uint8 buffer (pinned: written in place, one copy fewer than
+    pinning a filled buffer), `move`d, then viewed. Each starts on a 16-byte boundary: Triton
+    specialises a kernel on its pointer arguments' 16-byte alignment, so views whose alignment
+    followed the arrays' lengths would compile a new variant mid-run."""
     nps = [np.ascontiguousarray(v, dtype=_NP[d]) for v, d in arrays]
     offsets, total = [], 0
     for a in nps:
