@@ -1,6 +1,11 @@
 """`quantization=` on the CPU: the model's linear layers (and its lm_head) with int8 weights.
 
-  "int8"  weight-only: int8 weights per output channel, bf16 activations into the GEMM
+  "int8"  weight-only: int8 weights per output channel. Where the CPU has AVX512-VNNI they run
+          as integer blocks (ops/cpu_qgemm.py: each row's scale as its blocks' d, m = 0): exact
+          integer sums of fp32-grade activations, so a row's result never depends on the rows
+          beside it (a prefix-cache hit, chunking or speculation cannot change greedy outputs).
+          Elsewhere bf16 activations into torch's kernels (ops/int8.py), which differ in the
+          last bits past 8 rows.
   "w8a8"  int8 weights and int8 activations (per row, quantized on the fly), int32 accumulation
   "int4"  weight-only, 4-bit groups of 32 (GGUF Q4_1 re-encoded exactly): model/quant_int4.py
 
@@ -18,8 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from specserve import env
 from specserve.config import QUANTIZATION_METHODS
 from specserve.model.cpu_linear import pack_linears
+from specserve.ops import cpu_qgemm
 from specserve.ops.int8 import dynamic_int8_linear, quantize_per_row, weight_only_linear
 
 
@@ -38,9 +45,17 @@ class Int8Linear(nn.Module):
         self.method = method
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_per_row(weight)
-        self.register_buffer("qweight", q)  # [N, K] int8
         self.register_buffer("scale", scale)  # [N] float32
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        n, k = weight.shape
+        self.qlib = None
+        if method == "int8" and weight.dtype == torch.float32 and cpu_qgemm.packable(n, k):
+            self.qlib = cpu_qgemm.kernel() if env.settings.cpu_linear == "auto" else None
+        if self.qlib is not None:
+            d = scale[:, None].expand(n, k // cpu_qgemm.BLOCK).contiguous()  # [N, K / 32]
+            self.register_buffer("blocks", cpu_qgemm.pack((q, d, torch.zeros_like(d))))
+            return
+        self.register_buffer("qweight", q)  # [N, K] int8
         if method == "int8":
             # the many-row path's GEMM operand: q's integers, exact in bf16
             self.register_buffer("qweight_bf16", q.to(torch.bfloat16))
@@ -49,6 +64,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.qlib is not None:
+            y = cpu_qgemm.gemm(self.qlib, x2.float(), self.blocks, self.bias, self.out_features)
+            return y.to(x.dtype).view(*lead, self.out_features)
         if self.method == "int8":
             y = weight_only_linear(x2, self.qweight, self.qweight_bf16, self.scale, self.unit)
         else:
@@ -58,7 +76,8 @@ class Int8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, method={self.method}"
+        kernel = ", integer blocks" if self.qlib is not None else ""
+        return f"{self.in_features}, {self.out_features}, method={self.method}{kernel}"
 
 
 def quantize_model(model: nn.Module, method: str, gguf: Path | None = None) -> nn.Module:

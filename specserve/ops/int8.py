@@ -1,4 +1,6 @@
-"""Int8 linear layers for the CPU: weights int8 per output channel (symmetric), two ways to run.
+"""Int8 linear layers for the CPU: weights int8 per output channel (symmetric), two ways to run
+on torch's kernels (where the CPU has AVX512-VNNI, model/quant.py runs int8 weights as integer
+blocks instead: ops/cpu_qgemm.py).
 
 Why: CPU decode streams every weight byte from DRAM once per step; the default model's fp32
 weights are 537 MB a step. Int8 reads a quarter of that, and torch ships CPU kernels for it.

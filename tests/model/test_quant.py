@@ -14,6 +14,7 @@ from specserve import LLM, SamplingParams
 from specserve.config import QUANTIZATION_METHODS, check_quantization
 from specserve.model.loader import load_model
 from specserve.model.quant import Int8Linear, quantize_model
+from specserve.ops import cpu_qgemm
 from specserve.ops.int8 import dequantize, quantize_per_row
 from specserve.sampling_params import InvalidRequestError
 from tests.model.harness import PagedRunner, one_thread
@@ -117,6 +118,43 @@ def test_speculation_is_lossless_on_the_quantized_model(tiny_llama_dir: Path, me
                 assert m["spec_accepted_tokens"] >= 0.9 * m["spec_draft_tokens"]
             else:
                 assert m["spec_accepted_tokens"] == m["spec_draft_tokens"]
+
+
+needs_blocks = pytest.mark.skipif(
+    cpu_qgemm.kernel() is None, reason="int8 runs as integer blocks only with AVX512-VNNI"
+)
+
+
+@needs_blocks
+@pytest.mark.parametrize("shape", [(1024, 576), (64, 1536)])
+def test_int8_rows_do_not_depend_on_the_rows_beside_them(shape: tuple[int, int]) -> None:
+    """With the integer-block kernel a row's outputs are the same bits at any row count (one
+    kernel, exact integer sums), and within fp32 rounding of the dequantized weights. (torch's
+    int8 kernels move a few outputs of the first shape past 8 rows.)"""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(shape, generator=g), torch.randn(shape[0], generator=g)
+    lin = Int8Linear(w, b, "int8")
+    assert "integer blocks" in lin.extra_repr()
+    x = torch.randn(40, shape[1], generator=g)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 7, 9, 16, 40):
+        assert torch.equal(lin(x[:rows]), alone[:rows]), rows
+    want = x.double() @ dequantize(*quantize_per_row(w)).double().T + b.double()
+    assert (
+        float(((alone - want).abs().max(dim=1).values / want.abs().max(dim=1).values).max()) < 1e-5
+    )
+
+
+@needs_blocks
+def test_int8_greedy_outputs_do_not_change_on_a_prefix_cache_hit(tiny_llama_dir: Path) -> None:
+    """The same greedy requests again, their prompts now cached: the tail of each prompt is
+    computed in a step of a few rows instead of the whole prompt's, and answers stay the same."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", quantization="int8", progress=False)
+    prompts = [p * 4 for p in _prompts(49152, seed=2)]  # 36-120 tokens: whole blocks to reuse
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_cached_tokens for o in again) > 0
+    assert [o.outputs[0].token_ids for o in again] == first
 
 
 @pytest.mark.parametrize(
